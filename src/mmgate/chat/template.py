@@ -1,0 +1,155 @@
+"""Chat-template rendering, as transformers renders it.
+
+Stage: render.  In: OpenAI chat messages (plain JSON), the bundle's template
+and the tokenizer's special-token strings; out: the prompt text with one
+anchor per media item (``<|image_pad|>`` for Qwen-VL).
+
+Mirrors transformers 5.24 ``utils/chat_template_utils.py``
+(``_cached_compile_jinja_template``, ``render_jinja_template``) and
+``processing_utils.ProcessorMixin.apply_chat_template``: an
+``ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)`` with the
+``loopcontrols`` extension, the ``tojson`` filter without HTML escaping, the
+``raise_exception`` / ``strftime_now`` / ``dict`` / ``namespace`` globals, and
+the tokenizer's special tokens (``bos_token`` ...) as template variables.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from mmgate.errors import ErrorCode, GatewayError
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: Any = None, sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _TemplateDict:
+    """``dict`` global without attribute access to the class (as transformers)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """``namespace`` global refusing underscore attributes (as transformers)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - jinja's signature trick
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError("chat templates cannot store underscore-prefixed attributes")
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """Accepts ``{% generation %}...{% endgeneration %}`` blocks and renders their body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return str(caller())
+
+
+@lru_cache(maxsize=16)
+def compile_template(source: str) -> jinja2.Template:
+    """Compile a chat template in transformers' sandbox (cached by source)."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
+    return env.from_string(source)
+
+
+def _alias_reasoning(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """transformers ``_alias_reasoning_fields``: fill ``reasoning_content`` / ``thinking``."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        msg = dict(message)
+        reasoning = next((msg[k] for k in _REASONING_FIELDS if msg.get(k) is not None), None)
+        if reasoning is not None:
+            msg = {"thinking": reasoning, **msg, "reasoning_content": reasoning}
+        out.append(msg)
+    return out
+
+
+def render_chat(
+    template: str,
+    messages: Sequence[Mapping[str, Any]],
+    special_tokens: Mapping[str, str],
+    add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> str:
+    """Render ``messages`` into the prompt text.
+
+    Args:
+        template: the jinja source.
+        messages: plain-JSON chat messages; content parts already mapped to
+            what the template expects (an ``image_url`` part stays as is: the
+            Qwen-VL templates test ``'image_url' in content``).
+        special_tokens: ``bos_token``, ``eos_token``, ... strings (the
+            tokenizer's ``special_tokens_map``).
+        add_generation_prompt: append the assistant header.
+        tools: tool schemas, if any.
+        extra: further template variables (``chat_template_kwargs``); they
+            override special tokens, as in transformers.
+
+    Raises:
+        GatewayError(INVALID_REQUEST): the template raised (``raise_exception``)
+            or failed on these messages.
+    """
+    compiled = compile_template(template)
+    variables: dict[str, Any] = {**special_tokens, **(extra or {})}
+    try:
+        return compiled.render(
+            messages=_alias_reasoning(messages),
+            tools=list(tools) if tools else None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
+    except jinja2.exceptions.TemplateError as exc:
+        raise GatewayError(ErrorCode.INVALID_REQUEST, f"chat template refused the conversation: {exc}") from None
+    except (TypeError, KeyError, AttributeError, ValueError) as exc:
+        raise GatewayError(ErrorCode.INVALID_REQUEST, f"chat template failed on these messages ({type(exc).__name__})") from None

@@ -1,0 +1,120 @@
+"""The one error table.
+
+Every failure the gateway, the reference engine or the sidecar reports to a
+caller is a :class:`GatewayError` carrying an :class:`ErrorCode`.  The table
+below maps each code to its HTTP status, whether a client may retry, and the
+OpenAI error ``type``.  The HTTP layer (``mmgate.api.errors``) is the single
+place that turns a ``GatewayError`` into a response body
+``{"error": {"type", "code", "message", "param"}}`` plus the
+``X-SMG-Error-Code`` header.
+
+Invariants: messages never echo request payloads (no URL bodies, no base64);
+the caller's mistakes are 4xx, transient upstream faults are retryable 503,
+bugs are 500 ``internal_error``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class ErrorCode(StrEnum):
+    """Stable, machine-readable error codes (the ``code`` field and header)."""
+
+    INVALID_REQUEST = "invalid_request"
+    MODEL_NOT_FOUND = "model_not_found"
+    MULTIMODAL_NOT_SUPPORTED = "multimodal_not_supported"
+    MEDIA_COUNT_MISMATCH = "media_count_mismatch"
+    MM_ITEM_LIMIT_EXCEEDED = "mm_item_limit_exceeded"
+    UNSUPPORTED_MEDIA_URL_SCHEME = "unsupported_media_url_scheme"
+    INVALID_MEDIA_URL = "invalid_media_url"
+    MEDIA_HOST_NOT_ALLOWED = "media_host_not_allowed"
+    MEDIA_DECODE_FAILED = "media_decode_failed"
+    MEDIA_TOO_LARGE = "media_too_large"
+    IMAGE_ASPECT_RATIO_INVALID = "image_aspect_ratio_invalid"
+    MEDIA_FETCH_FAILED = "media_fetch_failed"
+    MEDIA_FETCH_TIMEOUT = "media_fetch_timeout"
+    MEDIA_FETCH_UNAVAILABLE = "media_fetch_unavailable"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    NO_HEALTHY_WORKER = "no_healthy_worker"
+    ENGINE_UNAVAILABLE = "engine_unavailable"
+    ENGINE_REJECTED = "engine_rejected"
+    ENGINE_ERROR = "engine_error"
+    INTERNAL_ERROR = "internal_error"
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorSpec:
+    """How one code is reported."""
+
+    status: int  # HTTP status
+    retryable: bool  # a client may retry the same request later
+    type: str  # OpenAI ``error.type``
+
+
+_INVALID = "invalid_request_error"
+_SERVER = "server_error"
+
+ERROR_TABLE: dict[ErrorCode, ErrorSpec] = {
+    ErrorCode.INVALID_REQUEST: ErrorSpec(400, False, _INVALID),
+    ErrorCode.MODEL_NOT_FOUND: ErrorSpec(404, False, _INVALID),
+    ErrorCode.MULTIMODAL_NOT_SUPPORTED: ErrorSpec(400, False, _INVALID),
+    ErrorCode.MEDIA_COUNT_MISMATCH: ErrorSpec(400, False, _INVALID),
+    ErrorCode.MM_ITEM_LIMIT_EXCEEDED: ErrorSpec(400, False, _INVALID),
+    ErrorCode.UNSUPPORTED_MEDIA_URL_SCHEME: ErrorSpec(400, False, _INVALID),
+    ErrorCode.INVALID_MEDIA_URL: ErrorSpec(400, False, _INVALID),
+    ErrorCode.MEDIA_HOST_NOT_ALLOWED: ErrorSpec(400, False, _INVALID),
+    ErrorCode.MEDIA_DECODE_FAILED: ErrorSpec(400, False, _INVALID),
+    ErrorCode.MEDIA_TOO_LARGE: ErrorSpec(413, False, _INVALID),
+    ErrorCode.IMAGE_ASPECT_RATIO_INVALID: ErrorSpec(400, False, _INVALID),
+    ErrorCode.MEDIA_FETCH_FAILED: ErrorSpec(400, False, _INVALID),
+    ErrorCode.MEDIA_FETCH_TIMEOUT: ErrorSpec(503, True, _SERVER),
+    ErrorCode.MEDIA_FETCH_UNAVAILABLE: ErrorSpec(503, True, _SERVER),
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: ErrorSpec(400, False, _INVALID),
+    ErrorCode.NO_HEALTHY_WORKER: ErrorSpec(503, True, _SERVER),
+    ErrorCode.ENGINE_UNAVAILABLE: ErrorSpec(503, True, _SERVER),
+    ErrorCode.ENGINE_REJECTED: ErrorSpec(400, False, _INVALID),
+    ErrorCode.ENGINE_ERROR: ErrorSpec(502, False, _SERVER),
+    ErrorCode.INTERNAL_ERROR: ErrorSpec(500, False, _SERVER),
+}
+
+assert set(ERROR_TABLE) == set(ErrorCode), "every ErrorCode needs a row"
+
+
+class GatewayError(Exception):
+    """A failure with a stable code.
+
+    Args:
+        code: the :class:`ErrorCode`.
+        message: human-readable text; must not contain request payload bytes.
+        param: the request field at fault (``"messages[0].content[1]"``), if any.
+    """
+
+    def __init__(self, code: ErrorCode, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+
+    @property
+    def spec(self) -> ErrorSpec:
+        return ERROR_TABLE[self.code]
+
+    @property
+    def status(self) -> int:
+        return self.spec.status
+
+    def body(self) -> dict[str, dict[str, str | None]]:
+        """The OpenAI-shaped error body."""
+        return {
+            "error": {
+                "type": self.spec.type,
+                "code": self.code.value,
+                "message": self.message,
+                "param": self.param,
+            }
+        }
+
+    def __repr__(self) -> str:
+        return f"GatewayError({self.code.value!r}, {self.message!r})"

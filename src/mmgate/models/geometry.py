@@ -1,0 +1,194 @@
+"""Pure shared math of vision preprocessing: smart_resize, resize, normalize LUTs, patchify.
+
+Every function here ports one piece of a transformers 5.24 image processor and
+names it.  Exactness strategy: the decoded image is uint8, so rescale +
+normalize is a function of (channel, byte value) alone; we tabulate it as a
+``[C, 256]`` float32 look-up table computed with *the reference's own
+arithmetic* (same dtypes, same operation order), then gather.  This gives
+bit-identical ``pixel_values`` and is faster than the float pipeline.
+
+Resizing is the one step whose kernel differs by backend:
+* PIL backend (``*ImageProcessorPil``): ``PIL.Image.resize`` — we call Pillow.
+* torchvision backend (``Qwen2VLImageProcessor``): ``tvF.resize`` on a uint8
+  ``[C, H, W]`` tensor with ``antialias=True`` — torch's own uint8 kernel, which
+  differs from Pillow by 1 LSB on a fraction of pixels (docs/parity.md), so we
+  call it through the optional ``torch`` extra.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from PIL import Image
+
+from mmgate.errors import ErrorCode, GatewayError
+from mmgate.settings import ImageBackend
+
+#: transformers ``PILImageResampling`` values (= Pillow's)
+RESAMPLE_NEAREST, RESAMPLE_LANCZOS, RESAMPLE_BILINEAR, RESAMPLE_BICUBIC = 0, 1, 2, 3
+
+MAX_ASPECT_RATIO = 200
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Resized (height, width): multiples of ``factor``, area within [min_pixels, max_pixels].
+
+    Port of transformers 5.24 ``models/qwen2_vl/image_processing_qwen2_vl.py``
+    ``smart_resize`` (same float operations, so the same rounding).
+
+    Raises:
+        GatewayError(IMAGE_ASPECT_RATIO_INVALID): ``max/min`` side ratio > 200,
+            where the reference raises ``ValueError``.
+    """
+    if min(height, width) <= 0:
+        raise GatewayError(ErrorCode.MEDIA_DECODE_FAILED, "image has a zero-sized side")
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise GatewayError(
+            ErrorCode.IMAGE_ASPECT_RATIO_INVALID,
+            f"absolute aspect ratio must be smaller than {MAX_ASPECT_RATIO}, got {max(height, width) / min(height, width)}",
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def _torch_modules() -> tuple[Any, Any, Any]:
+    try:
+        import torch
+        from torchvision.transforms.v2 import InterpolationMode
+        from torchvision.transforms.v2 import functional as tvF
+    except Exception as exc:  # ImportError, or a torchvision that fails to load its ops
+        raise GatewayError(
+            ErrorCode.INTERNAL_ERROR,
+            f"image backend 'torchvision' needs the mmgate[torch] extra ({type(exc).__name__})",
+        ) from None
+    return torch, tvF, InterpolationMode
+
+
+def torchvision_available() -> bool:
+    """Whether the torchvision backend can run here."""
+    try:
+        _torch_modules()
+    except GatewayError:
+        return False
+    return True
+
+
+def resolve_backend(requested: ImageBackend) -> ImageBackend:
+    """``auto`` -> ``torchvision`` when importable (transformers' own default), else ``pil``."""
+    if requested is ImageBackend.AUTO:
+        return ImageBackend.TORCHVISION if torchvision_available() else ImageBackend.PIL
+    return requested
+
+
+_TV_INTERPOLATION = {RESAMPLE_NEAREST: "NEAREST_EXACT", RESAMPLE_BILINEAR: "BILINEAR",
+                     RESAMPLE_BICUBIC: "BICUBIC", RESAMPLE_LANCZOS: "LANCZOS"}
+
+
+def resize_uint8(pixels: npt.NDArray[np.uint8], size_hw: tuple[int, int], resample: int,
+                 backend: ImageBackend) -> npt.NDArray[np.uint8]:
+    """Resize a uint8 ``[H, W, 3]`` RGB image to ``size_hw`` as the backend's reference does.
+
+    PIL: transformers ``image_transforms.resize`` -> ``PIL.Image.resize((w, h), resample)``.
+    torchvision: ``TorchvisionBackend.resize`` -> ``tvF.resize(uint8 [C,H,W], antialias=True)``
+    (``pil_torch_interpolation_mapping`` maps BICUBIC -> InterpolationMode.BICUBIC).
+
+    Returns:
+        uint8 ``[h, w, 3]``.
+    """
+    if backend is ImageBackend.PIL:
+        out = Image.fromarray(pixels).resize((size_hw[1], size_hw[0]), resample=resample)
+        return np.asarray(out)
+    torch, tvF, mode = _torch_modules()
+    tensor = torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1).contiguous()
+    interp = getattr(mode, _TV_INTERPOLATION.get(resample, "BILINEAR"))
+    resized = tvF.resize(tensor, list(size_hw), interpolation=interp, antialias=True)
+    return resized.permute(1, 2, 0).contiguous().numpy()
+
+
+@lru_cache(maxsize=64)
+def normalize_lut(backend: ImageBackend, rescale_factor: float, mean: tuple[float, ...],
+                  std: tuple[float, ...], do_rescale: bool, do_normalize: bool) -> npt.NDArray[np.float32]:
+    """``[C, 256]`` float32 table: value of byte ``v`` in channel ``c`` after rescale + normalize.
+
+    PIL backend (``PilBackend.rescale`` / ``normalize`` -> ``image_transforms.rescale``:
+    ``(x.astype(float64) * scale).astype(float32)``; ``image_transforms.normalize``:
+    ``(x - float32(mean)) / float32(std)`` in float32).
+    torchvision backend (``TorchvisionBackend.rescale_and_normalize`` with
+    ``_fuse_mean_std_and_rescale_factor``: ``mean' = float32(mean) * (1/scale)``,
+    ``std'`` likewise, then ``tvF.normalize(x.float32)`` = ``(x - mean') / std'`` in float32).
+    """
+    values = np.arange(256, dtype=np.uint8)
+    channels = len(mean) if do_normalize else 3
+    table = np.empty((channels, 256), dtype=np.float32)
+    if backend is ImageBackend.TORCHVISION and do_rescale and do_normalize:
+        inv = np.float32(1.0 / rescale_factor)  # torch multiplies a float32 tensor by a wrapped scalar in float32
+        mean_f = np.asarray(mean, dtype=np.float32) * inv
+        std_f = np.asarray(std, dtype=np.float32) * inv
+        x = values.astype(np.float32)
+        for c in range(channels):
+            table[c] = (x - mean_f[c]) / std_f[c]
+        return table
+    if do_rescale:
+        x = (values.astype(np.float64) * rescale_factor).astype(np.float32)
+    else:
+        x = values.astype(np.float32)
+    if do_normalize:
+        mean_f = np.asarray(mean, dtype=np.float32)
+        std_f = np.asarray(std, dtype=np.float32)
+        for c in range(channels):
+            table[c] = (x - mean_f[c]) / std_f[c]
+    else:
+        table[:] = x
+    return table
+
+
+def apply_lut(pixels: npt.NDArray[np.uint8], lut: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    """Gather ``lut[c, pixels[..., c]]``: uint8 ``[..., C]`` -> float32 ``[..., C]``."""
+    out = np.empty(pixels.shape, dtype=np.float32)
+    for c in range(pixels.shape[-1]):
+        np.take(lut[c], pixels[..., c], out=out[..., c])
+    return out
+
+
+def patchify_qwen(image: npt.NDArray[np.float32], patch_size: int, merge_size: int,
+                  temporal_patch_size: int) -> npt.NDArray[np.float32]:
+    """Flatten one normalized image ``[H, W, C]`` into Qwen-VL patches.
+
+    Port of transformers 5.24 ``Qwen2VLImageProcessor.patchify`` (torchvision)
+    and ``Qwen2VLImageProcessorPil.patchify``: ``[C, gh/m, m, p, gw/m, m, p]``
+    permuted to ``(gh/m, gw/m, m, m, C, p, p)``, each patch repeated
+    ``temporal_patch_size`` times along a new T axis after C.
+
+    Returns:
+        float32 ``[gh*gw, C*T*p*p]``.
+    """
+    height, width, channels = image.shape
+    gh, gw = height // patch_size, width // patch_size
+    m, p, t = merge_size, patch_size, temporal_patch_size
+    x = image.reshape(gh // m, m, p, gw // m, m, p, channels)
+    # (gh/m, m, p, gw/m, m, p, C) -> (gh/m, gw/m, m_h, m_w, C, p_h, p_w)
+    x = x.transpose(0, 3, 1, 4, 6, 2, 5)
+    out = np.empty((gh // m, gw // m, m, m, channels, t, p, p), dtype=np.float32)
+    out[...] = x[:, :, :, :, :, None, :, :]
+    return out.reshape(gh * gw, channels * t * p * p)
+
+
+def concat_rows(parts: Sequence[npt.NDArray[np.float32]], width: int) -> npt.NDArray[np.float32]:
+    """Concatenate ``[n_i, width]`` arrays (an empty ``[0, width]`` array for none)."""
+    if not parts:
+        return np.zeros((0, width), dtype=np.float32)
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)

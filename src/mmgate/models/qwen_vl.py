@@ -1,0 +1,180 @@
+"""The Qwen-VL family: Qwen2-VL, Qwen2.5-VL and Qwen3-VL images.
+
+Stage: plan / preprocess / expand for ``model_type`` ``qwen2_vl``,
+``qwen2_5_vl`` and ``qwen3_vl``.  The three differ only in parameters read
+from the bundle (patch size 14 vs 16, CLIP vs 0.5 mean/std, pixel bounds), so
+they are rows of one parameter table, not three classes.
+
+Reference (transformers 5.24):
+* ``models/qwen2_vl/image_processing_qwen2_vl.py`` ``Qwen2VLImageProcessor``
+  (torchvision backend; the class ``AutoImageProcessor`` picks for all three
+  bundles when torchvision imports) and ``image_processing_pil_qwen2_vl.py``
+  ``Qwen2VLImageProcessorPil``;
+* ``models/qwen2_vl/processing_qwen2_vl.py`` ``Qwen2VLProcessor.replace_image_token``
+  and ``models/qwen3_vl/processing_qwen3_vl.py`` (same for images): each
+  ``<|image_pad|>`` becomes ``grid_t*grid_h*grid_w // merge_size**2`` copies.
+
+Wire layout (as SMG ``registry/qwen_vl.rs`` and vLLM ``qwen2_vl.py``
+``_create_qwen2vl_field_factory``): ``pixel_values`` flat, sized by
+``patches_per_image``; ``image_grid_thw`` and ``patches_per_image`` batched;
+``image_grid_thw`` kept on CPU.  The placeholder range of an image covers its
+pad run only (the template's ``<|vision_start|>``/``<|vision_end|>`` stay
+outside), which is what vLLM's ``PromptReplacement`` for Qwen2-VL produces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mmgate.chat.tokenizer import BundleTokenizer
+from mmgate.errors import ErrorCode, GatewayError
+from mmgate.models import geometry
+from mmgate.models.bundle import ModelBundle
+from mmgate.settings import ImageBackend
+from mmgate.types import DecodedImage, EncoderBatch, ItemPlan, Modality, Replacement
+
+# transformers 5.24 Qwen2VLImageProcessor class attributes
+_DEFAULT_MIN_PIXELS = 56 * 56
+_DEFAULT_MAX_PIXELS = 28 * 28 * 1280
+_OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+_OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclass(frozen=True, slots=True)
+class QwenVLImageParams:
+    """Every image-preprocessing parameter, as the reference image processor resolves it."""
+
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+    min_pixels: int  # size["shortest_edge"]
+    max_pixels: int  # size["longest_edge"]
+    image_mean: tuple[float, ...]
+    image_std: tuple[float, ...]
+    rescale_factor: float
+    do_resize: bool
+    do_rescale: bool
+    do_normalize: bool
+    resample: int  # PILImageResampling value
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @property
+    def patch_dim(self) -> int:
+        return len(self.image_mean) * self.temporal_patch_size * self.patch_size * self.patch_size
+
+
+def image_params_from_config(cfg: Mapping[str, Any]) -> QwenVLImageParams:
+    """Resolve parameters like ``Qwen2VLImageProcessor.__init__`` (5.24): ``size`` with
+    ``min_pixels``/``max_pixels`` overriding ``shortest_edge``/``longest_edge``."""
+    size = dict(cfg.get("size") or {"shortest_edge": _DEFAULT_MIN_PIXELS, "longest_edge": _DEFAULT_MAX_PIXELS})
+    if cfg.get("min_pixels") is not None:
+        size["shortest_edge"] = cfg["min_pixels"]
+    if cfg.get("max_pixels") is not None:
+        size["longest_edge"] = cfg["max_pixels"]
+    if not size.get("shortest_edge") or not size.get("longest_edge"):
+        raise GatewayError(ErrorCode.INTERNAL_ERROR, "preprocessor size needs shortest_edge and longest_edge")
+    return QwenVLImageParams(
+        patch_size=int(cfg.get("patch_size", 14)),
+        merge_size=int(cfg.get("merge_size", 2)),
+        temporal_patch_size=int(cfg.get("temporal_patch_size", 2)),
+        min_pixels=int(size["shortest_edge"]),
+        max_pixels=int(size["longest_edge"]),
+        image_mean=tuple(float(v) for v in cfg.get("image_mean", _OPENAI_CLIP_MEAN)),
+        image_std=tuple(float(v) for v in cfg.get("image_std", _OPENAI_CLIP_STD)),
+        rescale_factor=float(cfg.get("rescale_factor", 1 / 255)),
+        do_resize=bool(cfg.get("do_resize", True)),
+        do_rescale=bool(cfg.get("do_rescale", True)),
+        do_normalize=bool(cfg.get("do_normalize", True)),
+        resample=int(cfg.get("resample", geometry.RESAMPLE_BICUBIC)),
+    )
+
+
+class QwenVLFamily:
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL images (see module docstring)."""
+
+    model_types = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+    limits: Mapping[Modality, int] = {Modality.IMAGE: 16}
+    image_token = "<|image_pad|>"
+
+    def __init__(self, model_type: str, image: QwenVLImageParams, image_token_id: int,
+                 backend: ImageBackend) -> None:
+        self.model_type = model_type
+        self.image = image
+        self.image_token_id = image_token_id
+        self.backend = backend
+        self._lut = geometry.normalize_lut(backend, image.rescale_factor, image.image_mean, image.image_std,
+                                           image.do_rescale, image.do_normalize)
+
+    @classmethod
+    def from_bundle(cls, bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageBackend) -> QwenVLFamily:
+        """Read every parameter from the bundle; ``backend`` must be resolved (not ``auto``)."""
+        cfg = bundle.preprocessor_config or dict(bundle.processor_config.get("image_processor") or {})
+        token_id = tokenizer.token_id(cls.image_token)
+        config_id = bundle.config.get("image_token_id")
+        if token_id is None or (config_id is not None and int(config_id) != token_id):
+            raise GatewayError(ErrorCode.INTERNAL_ERROR, f"bundle {bundle.name!r}: <|image_pad|> id disagrees with config")
+        return cls(bundle.model_type, image_params_from_config(cfg), token_id, backend)
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the model and every preprocessing setting (cache and hash key)."""
+        return f"qwen_vl:{self.model_type}:{self.backend.value}:{self.image!r}"
+
+    def anchor_token_id(self, modality: Modality) -> int:
+        if modality is Modality.IMAGE:
+            return self.image_token_id
+        raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED, f"{self.model_type} does not take {modality.value} input here")
+
+    def plan(self, modality: Modality, height: int, width: int) -> ItemPlan:
+        """Geometry of one image from its size (``smart_resize`` + grid)."""
+        if modality is not Modality.IMAGE:
+            self.anchor_token_id(modality)
+        p = self.image
+        if p.do_resize:
+            rh, rw = geometry.smart_resize(height, width, p.factor, p.min_pixels, p.max_pixels)
+        else:
+            rh, rw = height, width
+            if rh % p.factor or rw % p.factor:
+                raise GatewayError(ErrorCode.INVALID_REQUEST, "image size is not a multiple of the patch grid")
+        gh, gw = rh // p.patch_size, rw // p.patch_size
+        return ItemPlan(
+            modality=Modality.IMAGE, original_hw=(height, width), resized_hw=(rh, rw), grid_thw=(1, gh, gw),
+            num_patches=gh * gw, num_tokens=gh * gw // (p.merge_size**2),
+        )
+
+    def preprocess_one(self, image: DecodedImage, plan: ItemPlan) -> np.ndarray:
+        """One image -> float32 ``[grid_h*grid_w, C*T*P*P]`` rows of ``pixel_values``."""
+        p = self.image
+        pixels = image.pixels
+        if p.do_resize:
+            pixels = geometry.resize_uint8(pixels, plan.resized_hw, p.resample, self.backend)
+        normalized = geometry.apply_lut(pixels, self._lut)
+        return geometry.patchify_qwen(normalized, p.patch_size, p.merge_size, p.temporal_patch_size)
+
+    def assemble(self, rows: Sequence[np.ndarray], plans: Sequence[ItemPlan]) -> EncoderBatch:
+        """Stack per-image rows into the batch the engine receives (no placeholders yet)."""
+        grid = np.array([pl.grid_thw for pl in plans], dtype=np.int64).reshape(len(plans), 3)
+        return EncoderBatch(
+            modality=Modality.IMAGE,
+            tensors={
+                "pixel_values": geometry.concat_rows(rows, self.image.patch_dim),
+                "image_grid_thw": grid,
+                "patches_per_image": np.array([pl.num_patches for pl in plans], dtype=np.int64),
+            },
+            batched_keys=("image_grid_thw", "patches_per_image"),
+            flat_keys={"pixel_values": "patches_per_image"},
+            keep_on_cpu_keys=("image_grid_thw",),
+            placeholder_token_id=self.image_token_id,
+        )
+
+    def expand(self, plan: ItemPlan) -> Replacement:
+        """The pad run replacing one ``<|image_pad|>`` anchor."""
+        return Replacement(token_ids=(self.image_token_id,) * plan.num_tokens, embed_offset=0,
+                           embed_length=plan.num_tokens)

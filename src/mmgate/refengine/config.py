@@ -1,0 +1,72 @@
+"""Reference-engine configuration: the command line, parsed once.
+
+Stage: engine start-up.  In: ``argv`` of ``mmgate engine`` /
+``python -m mmgate.refengine``; out: a frozen :class:`EngineConfig` that is
+passed down explicitly.  No other module of the engine reads the command line
+or the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything the reference engine is started with."""
+
+    model: Path  # bundle folder: config.json, tokenizer files, optional *.safetensors
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = let the OS pick; serve() reports the bound port
+    seed: int = 0  # torch.manual_seed for random weights
+    served_model_name: str = ""  # "" = the model path as given (vLLM's default)
+    max_tokens_default: int = 16  # completion budget when a request leaves max_tokens unset
+    num_threads: int = 2  # torch.set_num_threads
+    model_workers: int = 1  # threads running model code (one request at a time per thread)
+    rpc_workers: int = 8  # gRPC handler threads (HealthCheck stays answerable while generating)
+
+    @property
+    def model_name(self) -> str:
+        """The name GetModelInfo reports."""
+        return self.served_model_name or str(self.model)
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    """The ``mmgate engine`` argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="mmgate engine",
+        description="CPU reference engine: the vLLM gRPC engine service over a transformers model.",
+    )
+    parser.add_argument("--model", required=True, type=Path, help="model bundle folder (config.json, tokenizer)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--seed", type=int, default=0, help="seed for random weights")
+    parser.add_argument("--served-model-name", default="", help="name reported by GetModelInfo")
+    parser.add_argument("--max-tokens-default", type=int, default=16, help="max_tokens when a request omits it")
+    parser.add_argument("--num-threads", type=int, default=2, help="torch CPU threads")
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> EngineConfig:
+    """Parse ``argv`` (``None`` = ``sys.argv[1:]``) into an :class:`EngineConfig`.
+
+    Raises:
+        SystemExit: bad arguments (argparse prints the usage).
+    """
+    parser = build_arg_parser()
+    ns = parser.parse_args(argv)
+    if ns.max_tokens_default < 1:
+        parser.error("--max-tokens-default must be at least 1")
+    if ns.num_threads < 1:
+        parser.error("--num-threads must be at least 1")
+    return EngineConfig(
+        model=ns.model,
+        host=ns.host,
+        port=ns.port,
+        seed=ns.seed,
+        served_model_name=ns.served_model_name,
+        max_tokens_default=ns.max_tokens_default,
+        num_threads=ns.num_threads,
+    )
