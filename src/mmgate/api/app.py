@@ -1,0 +1,178 @@
+"""The HTTP layer: FastAPI app factory and the gateway's state.
+
+Routes: ``POST /v1/chat/completions`` (stream and non-stream, OpenAI shapes),
+``GET /v1/models``, ``GET /health``, ``GET /workers``, ``GET /metrics``.
+All failures go through one handler that renders the error table
+(:mod:`mmgate.errors`): body ``{"error": {...}}`` plus ``X-SMG-Error-Code``;
+unexpected exceptions become 500 ``internal_error`` without a stack trace in
+the body (it is logged).  Stage timings of each request travel back in the
+``X-Mmgate-Stage-Ms`` header (``stage=ms,...``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from mmgate import metrics
+from mmgate.api.protocol import parse_chat_request
+from mmgate.api.responses import completion_body, sse_stream
+from mmgate.chat.tokenizer import load_tokenizer
+from mmgate.engines.vllm import build_generate_request
+from mmgate.errors import ErrorCode, GatewayError
+from mmgate.media.fetch import MediaFetcher
+from mmgate.models.bundle import resolve_bundle
+from mmgate.models.geometry import resolve_backend
+from mmgate.models.registry import load_family
+from mmgate.pipeline import ModelRuntime, Pipeline
+from mmgate.routing.workers import WorkerRegistry
+from mmgate.settings import Settings
+
+log = logging.getLogger("mmgate.api")
+
+
+@dataclass(slots=True)
+class GatewayState:
+    """Everything a running gateway holds."""
+
+    settings: Settings
+    runtime: ModelRuntime
+    pipeline: Pipeline
+    workers: WorkerRegistry
+    fetcher: MediaFetcher
+    executor: ThreadPoolExecutor
+    started: float
+
+
+def build_state(settings: Settings) -> GatewayState:
+    """Load the model bundle, tokenizer and family; build fetcher, pool and worker registry.
+
+    Raises:
+        GatewayError(MODEL_NOT_FOUND): the model cannot be found or has no usable tokenizer.
+    """
+    bundle = resolve_bundle(settings.model, settings.model_search_path)
+    tokenizer = load_tokenizer(bundle)
+    backend = resolve_backend(settings.image_backend)
+    family = load_family(bundle, tokenizer, backend)
+    runtime = ModelRuntime(bundle=bundle, tokenizer=tokenizer, family=family,
+                           served_name=settings.served_model_name or bundle.name)
+    threads = settings.preprocess_threads or (os.cpu_count() or 2)
+    executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mmgate-pre")
+    fetcher = MediaFetcher(settings.fetch)
+    log.info("serving %s (model_type %s, image backend %s)", runtime.served_name, bundle.model_type, backend.value)
+    return GatewayState(settings=settings, runtime=runtime, pipeline=Pipeline(runtime, settings, fetcher, executor),
+                        workers=WorkerRegistry(settings.worker_urls), fetcher=fetcher, executor=executor,
+                        started=time.time())
+
+
+def error_response(exc: GatewayError) -> JSONResponse:
+    """The one rendering of an error (body + header + Retry-After for retryable codes)."""
+    metrics.ERRORS.labels(exc.code.value).inc()
+    headers = {"X-SMG-Error-Code": exc.code.value}
+    if exc.spec.retryable:
+        headers["Retry-After"] = "1"
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+def _timing_header(timings: dict[str, float]) -> str:
+    return ",".join(f"{k}={v:.2f}" for k, v in timings.items())
+
+
+def create_app(state: GatewayState) -> FastAPI:
+    """The FastAPI app over ``state`` (workers are probed on start-up, closed on shutdown)."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await state.workers.start()
+        try:
+            yield
+        finally:
+            await state.workers.close()
+            await state.fetcher.aclose()
+            state.executor.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="mmgate", lifespan=lifespan)
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return error_response(GatewayError(ErrorCode.INTERNAL_ERROR, "internal error"))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = parse_chat_request(await request.body())
+        metrics.REQUESTS.labels(state.runtime.served_name, str(req.stream).lower()).inc()
+        prepared = await state.pipeline.prepare(req)
+        worker = state.workers.select(prepared.modalities)
+        timings = prepared.timings_ms
+        with metrics.stage("assemble", timings):
+            msg = build_generate_request(prepared)
+        metrics.PROMPT_TOKENS.inc(len(prepared.input_ids))
+        worker.in_flight += 1
+        metrics.ACTIVE_REQUESTS.inc()
+        assert worker.client is not None
+        responses = worker.client.generate(msg)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                worker.in_flight -= 1
+                metrics.ACTIVE_REQUESTS.dec()
+
+        try:
+            start = time.perf_counter()
+            first = await anext(responses)
+            timings["engine_first_response"] = (time.perf_counter() - start) * 1000.0
+        except BaseException:
+            release()
+            await responses.aclose()
+            raise
+        headers = {"X-Mmgate-Stage-Ms": _timing_header(timings), "X-Request-Id": prepared.request_id}
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            body = sse_stream(prepared, first, responses, state.runtime.tokenizer, include_usage, release)
+            return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+        try:
+            body_json = await completion_body(prepared, first, responses, state.runtime.tokenizer)
+        finally:
+            release()
+            await responses.aclose()
+        return JSONResponse(body_json, headers=headers)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": state.runtime.served_name, "object": "model", "created": int(state.started), "owned_by": "mmgate",
+             "root": state.runtime.bundle.name}]})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        healthy = sum(1 for w in state.workers.workers if w.healthy)
+        return JSONResponse({"status": "ok", "healthy_workers": healthy, "workers": len(state.workers.workers)})
+
+    @app.get("/workers")
+    async def workers() -> JSONResponse:
+        return JSONResponse({"workers": [
+            {"url": w.url, "healthy": w.healthy, "in_flight": w.in_flight, "labels": w.labels}
+            for w in state.workers.workers]})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    return app

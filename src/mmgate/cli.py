@@ -1,0 +1,60 @@
+"""``mmgate serve | engine | demo``.
+
+* ``serve``: the OpenAI-compatible gateway (flags in :mod:`mmgate.settings`).
+* ``engine``: the CPU reference engine (:mod:`mmgate.refengine`).
+* ``demo``: the quick start — starts a reference engine and a gateway on
+  loopback with a bundled Qwen-VL model, sends one chat request with a sample
+  image, prints the answer, the prompt token count and the stage timings, then
+  stops both (:mod:`mmgate.demo`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+
+def serve(argv: Sequence[str]) -> int:
+    """Run the gateway until interrupted."""
+    import uvicorn
+
+    from mmgate.api.app import build_state, create_app
+    from mmgate.errors import GatewayError
+    from mmgate.settings import parse_settings
+
+    settings = parse_settings(argv, os.environ)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        state = build_state(settings)
+    except GatewayError as exc:
+        print(f"mmgate: {exc.message}", file=sys.stderr)
+        return 2
+    uvicorn.run(create_app(state), host=settings.host, port=settings.port, log_level=settings.log_level,
+                access_log=False)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    command, rest = args[0], args[1:]
+    if command == "serve":
+        return serve(rest)
+    if command == "engine":
+        from mmgate.refengine.server import main as engine_main
+
+        return int(engine_main(rest) or 0)
+    if command == "demo":
+        from mmgate.demo import main as demo_main
+
+        return demo_main(rest)
+    print(f"mmgate: unknown command {command!r}\n{__doc__}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

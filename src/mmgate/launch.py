@@ -1,0 +1,132 @@
+"""Start the reference engine and the gateway as child processes on loopback.
+
+Used by the quick start (``mmgate demo``), the end-to-end tests and the
+benchmarks, so that all three start things the same way.  Each process is
+started in its own session and stopped with SIGTERM, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Child:
+    """A started child process and where it listens."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    port: int
+    log_path: Path | None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=timeout_s)
+
+    def log_tail(self, chars: int = 4000) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+
+def _spawn(name: str, args: Sequence[str], port: int, log_dir: Path | None, env: Mapping[str, str] | None) -> Child:
+    log_path = (log_dir / f"{name}-{port}.log") if log_dir else None
+    out = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115 - owned by the child
+    full_env = dict(os.environ if env is None else env)
+    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    proc = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True, env=full_env)
+    return Child(name=name, proc=proc, port=port, log_path=log_path)
+
+
+def wait_grpc_health(child: Child, timeout_s: float = 180.0) -> None:
+    """Wait until the engine answers HealthCheck (raises RuntimeError with its log on failure)."""
+    import grpc
+    from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(f"127.0.0.1:{child.port}") as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        while time.monotonic() < deadline:
+            if child.proc.poll() is not None:
+                raise RuntimeError(f"{child.name} exited ({child.proc.returncode}):\n{child.log_tail()}")
+            try:
+                if stub.HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=1.0).healthy:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.25)
+    raise RuntimeError(f"{child.name} did not become healthy in {timeout_s}s:\n{child.log_tail()}")
+
+
+def wait_http_health(child: Child, timeout_s: float = 60.0, want_workers: int = 0) -> None:
+    """Wait until the gateway's /health answers (and reports ``want_workers`` healthy workers)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if child.proc.poll() is not None:
+            raise RuntimeError(f"{child.name} exited ({child.proc.returncode}):\n{child.log_tail()}")
+        try:
+            r = httpx.get(f"http://127.0.0.1:{child.port}/health", timeout=1.0)
+            if r.status_code == 200 and r.json().get("healthy_workers", 0) >= want_workers:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{child.name} did not become healthy in {timeout_s}s:\n{child.log_tail()}")
+
+
+def start_engine(model: str, extra: Sequence[str] = (), log_dir: Path | None = None,
+                 env: Mapping[str, str] | None = None, port: int | None = None) -> Child:
+    """Start ``mmgate engine`` on 127.0.0.1 and wait for its HealthCheck."""
+    port = port or free_port()
+    child = _spawn("engine", ["mmgate.refengine", "--model", model, "--host", "127.0.0.1", "--port", str(port), *extra],
+                   port, log_dir, env)
+    try:
+        wait_grpc_health(child)
+    except BaseException:
+        child.stop()
+        raise
+    return child
+
+
+def start_gateway(model: str, worker_ports: Sequence[int], extra: Sequence[str] = (), log_dir: Path | None = None,
+                  env: Mapping[str, str] | None = None, port: int | None = None) -> Child:
+    """Start ``mmgate serve`` on 127.0.0.1 and wait until every worker is healthy."""
+    port = port or free_port()
+    urls = [f"grpc://127.0.0.1:{p}" for p in worker_ports]
+    args = ["mmgate.cli", "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port), "--log-level",
+            "warning"]
+    if urls:
+        args += ["--worker-urls", *urls]
+    child = _spawn("gateway", [*args, *extra], port, log_dir, env)
+    try:
+        wait_http_health(child, want_workers=len(urls))
+    except BaseException:
+        child.stop()
+        raise
+    return child

@@ -1,0 +1,253 @@
+"""The request pipeline: plan -> render+tokenize -> fetch+decode -> preprocess -> expand.
+
+Stage: everything between the HTTP layer and worker selection.  In: a
+validated :class:`~mmgate.api.protocol.ChatCompletionRequest`; out: an
+engine-neutral :class:`~mmgate.types.PreparedRequest`.
+
+Order of refusals (cheap first, nothing fetched before all of them pass):
+unknown model -> modality the model cannot take -> per-request item limit ->
+URL scheme -> chat template -> one anchor per item.  Then each *distinct*
+URL is fetched once (concurrently) and decoded, images are preprocessed in a
+bounded thread pool (numpy, Pillow and torch release the GIL), and every
+anchor is replaced by its placeholder run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mmgate import metrics
+from mmgate.api.protocol import AudioPart, ChatCompletionRequest, ImagePart, TextPart, VideoPart
+from mmgate.chat.template import render_chat
+from mmgate.chat.tokenizer import BundleTokenizer
+from mmgate.errors import ErrorCode, GatewayError
+from mmgate.media.fetch import MediaFetcher, check_scheme
+from mmgate.media.hashing import item_hash
+from mmgate.media.image import decode_image
+from mmgate.models.bundle import ModelBundle
+from mmgate.models.registry import Family
+from mmgate.settings import Settings
+from mmgate.types import (
+    DecodedImage,
+    EncoderBatch,
+    ItemPlan,
+    MediaRef,
+    Modality,
+    PlaceholderRange,
+    PreparedRequest,
+    SamplingParams,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRuntime:
+    """One served model: its bundle, tokenizer and family (None: text only)."""
+
+    bundle: ModelBundle
+    tokenizer: BundleTokenizer
+    family: Family | None
+    served_name: str
+
+    def accepts(self, model: str) -> bool:
+        return model in (self.served_name, self.bundle.name, str(self.bundle.path))
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPlan:
+    """What planning learned before any byte was fetched."""
+
+    template_messages: list[dict[str, Any]]
+    media: tuple[MediaRef, ...]
+
+
+def plan_request(req: ChatCompletionRequest, runtime: ModelRuntime, settings: Settings) -> RequestPlan:
+    """Validate the request's media and map its messages to what the template expects.
+
+    Media parts become ``{"type": "image"}`` / ``{"type": "video"}`` (the
+    form transformers processors feed templates; the URL never reaches the
+    template).
+
+    Raises:
+        GatewayError: MODEL_NOT_FOUND, MULTIMODAL_NOT_SUPPORTED,
+            MM_ITEM_LIMIT_EXCEEDED, UNSUPPORTED_MEDIA_URL_SCHEME, INVALID_MEDIA_URL.
+    """
+    if not runtime.accepts(req.model):
+        raise GatewayError(ErrorCode.MODEL_NOT_FOUND, f"model {req.model[:200]!r} is not served here", "model")
+    messages: list[dict[str, Any]] = []
+    media: list[MediaRef] = []
+    for mi, message in enumerate(req.messages):
+        msg: dict[str, Any] = {"role": message.role}
+        if isinstance(message.content, list):
+            parts: list[dict[str, Any]] = []
+            for pi, part in enumerate(message.content):
+                param = f"messages[{mi}].content[{pi}]"
+                if isinstance(part, TextPart):
+                    parts.append({"type": "text", "text": part.text})
+                    continue
+                if isinstance(part, ImagePart):
+                    modality, url = Modality.IMAGE, part.image_url.url
+                elif isinstance(part, VideoPart):
+                    modality, url = Modality.VIDEO, part.video_url.url
+                else:
+                    assert isinstance(part, AudioPart)
+                    modality, url = Modality.AUDIO, ""
+                media.append(MediaRef(modality=modality, url=url, part_index=len(media), param=param))
+                parts.append({"type": modality.value})
+            msg["content"] = parts
+        else:
+            msg["content"] = message.content
+        for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
+            value = getattr(message, key)
+            if value is not None:
+                msg[key] = value
+        messages.append(msg)
+    _check_media(media, runtime, settings)
+    return RequestPlan(template_messages=messages, media=tuple(media))
+
+
+def _check_media(media: Sequence[MediaRef], runtime: ModelRuntime, settings: Settings) -> None:
+    family = runtime.family
+    counts: dict[Modality, int] = {}
+    for ref in media:
+        counts[ref.modality] = counts.get(ref.modality, 0) + 1
+    for modality, count in counts.items():
+        if family is None or modality not in family.limits:
+            raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED,
+                               f"model {runtime.served_name!r} does not accept {modality.value} input",
+                               next(r.param for r in media if r.modality is modality))
+        limit = settings.item_limits.get(modality.value, family.limits[modality])
+        if count > limit:
+            raise GatewayError(ErrorCode.MM_ITEM_LIMIT_EXCEEDED,
+                               f"{count} {modality.value} items exceed the per-request limit of {limit}", "messages")
+    for ref in media:
+        check_scheme(ref.url, ref.param)
+
+
+def splice_anchors(ids: Sequence[int], anchor_id: int, runs: Sequence[tuple[int, ...]],
+                   embed: Sequence[tuple[int, int]]) -> tuple[list[int], list[PlaceholderRange]]:
+    """Replace the k-th ``anchor_id`` in ``ids`` by ``runs[k]``.
+
+    ``embed[k]`` = (offset, length) of the embedding range inside ``runs[k]``.
+
+    Example: ``splice_anchors([7, 9, 8], 9, [(5, 5, 5)], [(0, 3)])`` ->
+    ``([7, 5, 5, 5, 8], [PlaceholderRange(1, 3)])``.
+    """
+    out: list[int] = []
+    ranges: list[PlaceholderRange] = []
+    k = 0
+    for tok in ids:
+        if tok == anchor_id:
+            offset, length = embed[k]
+            ranges.append(PlaceholderRange(offset=len(out) + offset, length=length))
+            out.extend(runs[k])
+            k += 1
+        else:
+            out.append(tok)
+    return out, ranges
+
+
+class Pipeline:
+    """Turns chat requests into :class:`PreparedRequest` objects for one model."""
+
+    def __init__(self, runtime: ModelRuntime, settings: Settings, fetcher: MediaFetcher, executor: Executor) -> None:
+        self.runtime = runtime
+        self.settings = settings
+        self.fetcher = fetcher
+        self.executor = executor
+
+    def _sampling(self, req: ChatCompletionRequest) -> SamplingParams:
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        return SamplingParams(
+            max_tokens=max_tokens if max_tokens is not None else self.settings.default_max_tokens,
+            temperature=req.temperature, top_p=req.top_p if req.top_p is not None else 1.0,
+            top_k=req.top_k or 0, seed=req.seed, stop=stop, ignore_eos=req.ignore_eos,
+            frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
+        )
+
+    async def prepare(self, req: ChatCompletionRequest, request_id: str | None = None) -> PreparedRequest:
+        """Run every stage up to an engine-neutral request.
+
+        Raises:
+            GatewayError: any refusal of the stages (see module docstring).
+        """
+        timings: dict[str, float] = {}
+        runtime, family = self.runtime, self.runtime.family
+        with metrics.stage("plan", timings):
+            plan = plan_request(req, runtime, self.settings)
+        with metrics.stage("render", timings):
+            if runtime.bundle.chat_template is None:
+                raise GatewayError(ErrorCode.INVALID_REQUEST, "model has no chat template")
+            prompt = render_chat(runtime.bundle.chat_template, plan.template_messages, runtime.tokenizer.special_tokens,
+                                 add_generation_prompt=req.add_generation_prompt, extra=req.chat_template_kwargs)
+            ids = runtime.tokenizer.encode_prompt(prompt)
+        batches: tuple[EncoderBatch, ...] = ()
+        plans: tuple[ItemPlan, ...] = ()
+        if plan.media:
+            assert family is not None  # _check_media refused media for text-only models
+            images = [r for r in plan.media if r.modality is Modality.IMAGE]
+            anchor = family.anchor_token_id(Modality.IMAGE)
+            found = sum(1 for t in ids if t == anchor)
+            if found != len(images):
+                raise GatewayError(ErrorCode.MEDIA_COUNT_MISMATCH,
+                                   f"the prompt has {found} image anchors for {len(images)} images", "messages")
+            with metrics.stage("fetch_decode", timings):
+                decoded = await self._fetch_decode(images)
+            with metrics.stage("preprocess", timings):
+                batch, plans = await self._preprocess(family, decoded)
+            with metrics.stage("expand", timings):
+                reps = [family.expand(p) for p in plans]
+                ids, ranges = splice_anchors(ids, anchor, [r.token_ids for r in reps],
+                                             [(r.embed_offset, r.embed_length) for r in reps])
+                hashes = tuple(item_hash(d.content_hash, family.fingerprint) for d in decoded)
+                batches = (EncoderBatch(
+                    modality=batch.modality, tensors=batch.tensors, batched_keys=batch.batched_keys,
+                    flat_keys=batch.flat_keys, keep_on_cpu_keys=batch.keep_on_cpu_keys,
+                    placeholder_token_id=batch.placeholder_token_id, placeholders=tuple(ranges), mm_hashes=hashes,
+                ),)
+            metrics.MM_ITEMS.labels(Modality.IMAGE.value).inc(len(images))
+        return PreparedRequest(
+            request_id=request_id or f"chatcmpl-{uuid.uuid4().hex}", model=runtime.served_name, prompt_text=prompt,
+            input_ids=tuple(ids), batches=batches, sampling=self._sampling(req), stream=req.stream, plans=plans,
+            timings_ms=timings,
+        )
+
+    async def _fetch_decode(self, refs: Sequence[MediaRef]) -> list[DecodedImage]:
+        """Fetch each distinct URL once, decode each distinct payload once, concurrently."""
+        loop = asyncio.get_running_loop()
+        fs = self.settings.fetch
+        tasks: dict[str, asyncio.Future[DecodedImage]] = {}
+
+        async def one(ref: MediaRef) -> DecodedImage:
+            data = await self.fetcher.fetch(ref.url, fs.image_max_bytes, ref.param)
+            try:
+                return await loop.run_in_executor(self.executor, decode_image, data, fs.max_image_pixels)
+            except GatewayError as exc:
+                raise GatewayError(exc.code, exc.message, ref.param) from None
+
+        for ref in refs:
+            if ref.url not in tasks:
+                tasks[ref.url] = asyncio.ensure_future(one(ref))
+        try:
+            await asyncio.gather(*tasks.values())
+        except BaseException:
+            for task in tasks.values():
+                task.cancel()
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+            raise
+        return [tasks[ref.url].result() for ref in refs]
+
+    async def _preprocess(self, family: Family, images: Sequence[DecodedImage]) -> tuple[EncoderBatch, tuple[ItemPlan, ...]]:
+        loop = asyncio.get_running_loop()
+        plans = tuple(family.plan(Modality.IMAGE, im.height, im.width) for im in images)
+        rows: list[np.ndarray] = list(await asyncio.gather(*(
+            loop.run_in_executor(self.executor, family.preprocess_one, im, pl) for im, pl in zip(images, plans)
+        )))
+        return family.assemble(rows, plans), plans

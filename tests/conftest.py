@@ -1,0 +1,38 @@
+"""Shared test fixtures: model bundles, loopback media server, in-thread gateway.
+
+Bundles are read from ``$MMGATE_MODEL_PATH`` (os.pathsep-separated), else from
+``<checkout>/../shared/models``; they are never copied into the repo.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def model_roots() -> list[Path]:
+    env = os.environ.get("MMGATE_MODEL_PATH")
+    if env:
+        return [Path(p) for p in env.split(os.pathsep) if p]
+    return [REPO.parent / "shared" / "models"]
+
+
+def bundle_dir(name: str) -> Path:
+    """Folder of bundle ``org--name`` (or ``org/name``) on the model search path."""
+    for root in model_roots():
+        candidate = root / name.replace("/", "--")
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise FileNotFoundError(f"bundle {name} not found under {model_roots()}")
+
+
+@pytest.fixture(scope="session")
+def model_root() -> Path:
+    return model_roots()[0]

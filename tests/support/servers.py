@@ -1,0 +1,89 @@
+"""Loopback servers for tests: a media origin and an in-thread gateway."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import uvicorn
+
+from mmgate.api.app import build_state, create_app
+from mmgate.launch import free_port
+from mmgate.settings import Settings
+
+
+@dataclass
+class MediaOrigin:
+    """A loopback HTTP server serving registered bodies; counts hits per path."""
+
+    files: dict[str, tuple[bytes, str]] = field(default_factory=dict)
+    hits: Counter[str] = field(default_factory=Counter)
+    port: int = 0
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def add(self, path: str, body: bytes, content_type: str = "application/octet-stream") -> str:
+        self.files[path] = (body, content_type)
+        return self.url(path)
+
+
+@contextmanager
+def media_origin() -> Iterator[MediaOrigin]:
+    origin = MediaOrigin()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server API
+            origin.hits[self.path] += 1
+            entry = origin.files.get(self.path)
+            if entry is None:
+                self.send_error(404)
+                return
+            body, ctype = entry
+            self.send_response(200)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    origin.port = int(server.server_address[1])
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield origin
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@contextmanager
+def gateway_in_thread(settings: Settings) -> Iterator[str]:
+    """Run the real gateway app under uvicorn on loopback in a thread; yields its base URL."""
+    port = free_port()
+    app = create_app(build_state(settings))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    try:
+        yield base
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
