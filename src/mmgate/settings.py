@@ -36,6 +36,9 @@ ENV_IMAGE_MAX_BYTES = "SMG_IMAGE_MAX_INPUT_BYTES"
 ENV_ALLOW_PRIVATE = "MMGATE_ALLOW_PRIVATE_MEDIA_HOSTS"
 
 
+DEFAULT_IMAGE_MAX_BYTES = 20 * 1024 * 1024
+
+
 @dataclass(frozen=True, slots=True)
 class FetchSettings:
     """Limits of the media fetcher (``mmgate.media.fetch``)."""
@@ -46,7 +49,7 @@ class FetchSettings:
     read_timeout_s: float = 10.0
     total_timeout_s: float = 20.0
     max_redirects: int = 3
-    image_max_bytes: int = 20 * 1024 * 1024
+    image_max_bytes: int = DEFAULT_IMAGE_MAX_BYTES
     max_image_pixels: int = 178_956_970  # Pillow's own decompression-bomb limit (2 x MAX_IMAGE_PIXELS)
 
 
@@ -137,7 +140,7 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         allowed_domains=tuple(d.lower() for d in ns.mm_allowed_media_domains),
         allow_private_hosts=allow_private,
         total_timeout_s=ns.mm_fetch_timeout,
-        image_max_bytes=max_bytes if max_bytes is not None else FetchSettings.image_max_bytes,
+        image_max_bytes=max_bytes if max_bytes is not None else DEFAULT_IMAGE_MAX_BYTES,
     )
     return Settings(
         model=ns.model,
