@@ -1,0 +1,23 @@
+"""The CPU reference engine: a ``vllm.grpc.engine.VllmEngine`` gRPC server over a transformers model.
+
+Stage: engine (the far end of the transport).  It runs the real Hugging Face
+model code on CPU, so what a gateway sends is checked by the model itself:
+pixel tensors, grids, expanded placeholder runs.  A bundle without weights is
+served by a shrunken, seeded random model that keeps every token id and the
+patch geometry.
+
+Modules, in request order:
+  config.py     EngineConfig, parsed once from the command line.
+  shrink.py     the shrunken config for weight-less bundles.
+  bundle.py     bundle -> model + ModelFacts; the lazy tokenizer.
+  tensors.py    decode_tensor: one TensorData -> torch tensor (inline; shm slots in here).
+  mm_inputs.py  GenerateRequest -> ModelInputs (forward kwargs, as the vLLM servicer builds them).
+  sampling.py   SamplingParams -> GenerationPlan.
+  generation.py model.generate with streaming, stop rules, cancel.
+  servicer.py   the gRPC servicer.
+  server.py     start_engine / serve / main.
+
+Entry points: ``mmgate.refengine.server.serve(config)`` and
+``mmgate.refengine.server.main(argv)`` (``python -m mmgate.refengine``).
+Importing this package imports neither torch nor transformers.
+"""

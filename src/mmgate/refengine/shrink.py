@@ -13,6 +13,12 @@ Invariants (what a gateway can observe must not change):
     tensor ``[num_patches, C*T*P*P]`` and ``image_grid_thw`` that the full model
     takes are accepted, and yield the same number of merged image tokens.
 
+What changes besides size: ``dtype`` is float32 everywhere (a bundle's
+``bfloat16`` would otherwise make transformers build some modules in bf16), and
+``initializer_range`` is widened to 0.2 (both towers): at the reference 0.02 a
+two-layer random model ignores its input and repeats the last prompt token,
+which would hide position and pixel mistakes from any output comparison.
+
 What shrinks: depth, widths and head counts, plus the fields that index into
 them, which are rescaled so they stay valid:
   * M-RoPE ``mrope_section`` must sum to ``head_dim / 2``
@@ -30,6 +36,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Final
 
+import torch
 from transformers import PretrainedConfig
 
 #: text decoder size after shrinking (head_dim = hidden / heads = 16)
@@ -44,6 +51,9 @@ VISION_DEPTH: Final = 2
 VISION_HIDDEN: Final = 32
 VISION_HEADS: Final = 2
 VISION_INTERMEDIATE: Final = 64
+
+#: init std for the random weights (reference checkpoints use 0.02)
+INITIALIZER_RANGE: Final = 0.2
 
 
 def rescale_sections(sections: list[int], total: int) -> list[int]:
@@ -75,13 +85,12 @@ def _set_if_present(cfg: PretrainedConfig, name: str, value: Any) -> None:
 
 
 def _shrink_rope(cfg: PretrainedConfig, head_dim: int) -> None:
-    """Rescale ``mrope_section`` in ``rope_parameters`` (v5) / ``rope_scaling`` (v4)."""
-    for attr in ("rope_parameters", "rope_scaling"):
-        rope = getattr(cfg, attr, None)
-        if isinstance(rope, dict) and rope.get("mrope_section"):
-            rope = dict(rope)
-            rope["mrope_section"] = rescale_sections(list(rope["mrope_section"]), head_dim // 2)
-            setattr(cfg, attr, rope)
+    """Rescale ``mrope_section`` in ``rope_parameters`` (transformers 5; ``rope_scaling`` is its alias)."""
+    rope = getattr(cfg, "rope_parameters", None)
+    if isinstance(rope, dict) and rope.get("mrope_section"):
+        rope = dict(rope)
+        rope["mrope_section"] = rescale_sections(list(rope["mrope_section"]), head_dim // 2)
+        cfg.rope_parameters = rope
 
 
 def _shrink_text(text: PretrainedConfig) -> None:
@@ -140,4 +149,8 @@ def shrink_config(config: PretrainedConfig) -> PretrainedConfig:
     vision = getattr(shrunk, "vision_config", None)
     if vision is not None:
         _shrink_vision(vision, text.hidden_size, text.num_hidden_layers)
+    for cfg in (shrunk, text, vision):
+        if cfg is not None:
+            cfg.dtype = torch.float32
+            _set_if_present(cfg, "initializer_range", INITIALIZER_RANGE)
     return shrunk

@@ -1,0 +1,215 @@
+"""Load a model bundle into a transformers model plus the facts the engine reports.
+
+Stage: engine start-up.  In: an :class:`EngineConfig` naming a bundle folder
+(``config.json``, tokenizer files, ``preprocessor_config.json``, optional
+``*.safetensors``); out: a :class:`LoadedModel` (a float32 model in eval mode
+and frozen :class:`ModelFacts`).
+
+The model class is the one ``config.architectures`` names (e.g.
+``Qwen2_5_VLForConditionalGeneration``), else ``AutoModelForImageTextToText``
+for a config with ``vision_config`` and ``AutoModelForCausalLM`` otherwise.  A
+bundle with weights is loaded with ``from_pretrained``; a bundle without is
+built from ``torch.manual_seed(seed)`` at the size :mod:`.shrink` gives, which
+keeps every token id and the vision patch geometry.
+
+The model's own ``generation_config`` is replaced by a neutral one: like the
+vLLM gRPC servicer (``_sampling_params_from_proto``), every sampling field is
+taken from the request, never from the bundle's ``generation_config.json``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig, PreTrainedModel
+
+from mmgate.refengine.config import EngineConfig
+from mmgate.refengine.shrink import shrink_config
+
+logger = logging.getLogger(__name__)
+
+_WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What GetModelInfo reports and what generation needs besides the model."""
+
+    model_path: str
+    served_model_name: str
+    model_type: str  # config.model_type, e.g. "qwen2_5_vl"
+    architectures: tuple[str, ...]
+    vocab_size: int
+    max_context_length: int  # text max_position_embeddings, else tokenizer model_max_length
+    supports_vision: bool  # the config has a vision_config
+    eos_token_ids: tuple[int, ...]  # the config's own eos ids (what vLLM advertises)
+    stop_token_ids: tuple[int, ...]  # config eos then generation_config extras: what a request stops on
+    pad_token_id: int  # -1 when the bundle declares none
+    bos_token_id: int  # -1 when the bundle declares none
+    image_token_id: int | None
+    video_token_id: int | None
+    random_weights: bool  # no weights in the bundle: shrunken random model
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """A ready model: call only from the engine's model thread(s)."""
+
+    model: PreTrainedModel
+    facts: ModelFacts
+    forward_params: frozenset[str]  # keyword names model.forward accepts
+
+
+def token_ids(value: Any) -> list[int]:
+    """The ids in an HF config field: one id or a list; negatives and bools are not ids.
+
+    Mirrors ``smg_grpc_servicer/vllm/config_view.py`` ``token_ids``.
+    """
+    if isinstance(value, bool) or value is None:
+        return []
+    if isinstance(value, int):
+        return [value] if value >= 0 else []
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+    return []
+
+
+def has_weights(path: Path) -> bool:
+    """Whether the bundle folder holds weight files."""
+    return any(any(path.glob(pattern)) for pattern in _WEIGHT_GLOBS)
+
+
+def model_class(config: PretrainedConfig) -> type[PreTrainedModel]:
+    """The transformers class for ``config`` (``config.architectures[0]`` first).
+
+    Raises:
+        ValueError: no class for the architecture and no Auto fallback fits.
+    """
+    for name in config.architectures or ():
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
+            return cls
+    auto = (
+        transformers.AutoModelForImageTextToText
+        if getattr(config, "vision_config", None) is not None
+        else transformers.AutoModelForCausalLM
+    )
+    mapping = auto._model_mapping  # type: ignore[attr-defined]
+    entry = mapping[type(config)] if type(config) in mapping else None
+    found = entry[0] if isinstance(entry, tuple) else entry
+    if isinstance(found, type) and issubclass(found, PreTrainedModel):
+        return found
+    raise ValueError(f"no transformers model class for architectures {config.architectures!r}")
+
+
+def _first_id(*values: Any) -> int:
+    for value in values:
+        ids = token_ids(value)
+        if ids:
+            return ids[0]
+    return -1
+
+
+def _generation_config(path: Path) -> GenerationConfig | None:
+    if not (path / "generation_config.json").is_file():
+        return None
+    return GenerationConfig.from_pretrained(path)
+
+
+def _tokenizer_max_length(path: Path) -> int:
+    try:
+        data = json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    value = data.get("model_max_length")
+    return int(value) if isinstance(value, (int, float)) and 0 < value < 2**31 else 0
+
+
+def read_facts(path: Path, config: PretrainedConfig, served_model_name: str, random_weights: bool) -> ModelFacts:
+    """Collect :class:`ModelFacts` from the bundle's own files (the unshrunken config)."""
+    text = config.get_text_config()
+    gen = _generation_config(path)
+    eos = token_ids(getattr(text, "eos_token_id", None)) or token_ids(getattr(config, "eos_token_id", None))
+    stop = list(eos)
+    for extra in token_ids(gen.eos_token_id if gen else None):
+        if extra not in stop:
+            stop.append(extra)
+    max_len = int(getattr(text, "max_position_embeddings", 0) or 0) or _tokenizer_max_length(path)
+    return ModelFacts(
+        model_path=str(path),
+        served_model_name=served_model_name,
+        model_type=str(config.model_type),
+        architectures=tuple(config.architectures or ()),
+        vocab_size=int(text.vocab_size),
+        max_context_length=max_len,
+        supports_vision=getattr(config, "vision_config", None) is not None,
+        eos_token_ids=tuple(eos),
+        stop_token_ids=tuple(stop),
+        pad_token_id=_first_id(
+            getattr(text, "pad_token_id", None), getattr(config, "pad_token_id", None), gen and gen.pad_token_id
+        ),
+        bos_token_id=_first_id(
+            getattr(text, "bos_token_id", None), getattr(config, "bos_token_id", None), gen and gen.bos_token_id
+        ),
+        image_token_id=getattr(config, "image_token_id", None),
+        video_token_id=getattr(config, "video_token_id", None),
+        random_weights=random_weights,
+    )
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    """Build the model for ``config.model``.
+
+    Returns:
+        A :class:`LoadedModel` in float32, eval mode, with a neutral generation config.
+
+    Raises:
+        OSError: the folder has no readable ``config.json``.
+        ValueError: no transformers class serves the config's architecture.
+    """
+    path = config.model
+    hf_config = AutoConfig.from_pretrained(path)
+    cls = model_class(hf_config)
+    random_weights = not has_weights(path)
+    if random_weights:
+        torch.manual_seed(config.seed)
+        model = cls(shrink_config(hf_config))
+    else:
+        model = cls.from_pretrained(path, dtype=torch.float32)
+    model = model.float().eval()
+    model.generation_config = GenerationConfig()
+    facts = read_facts(path, hf_config, config.model_name, random_weights)
+    params = frozenset(inspect.signature(model.forward).parameters)
+    return LoadedModel(model=model, facts=facts, forward_params=params)
+
+
+class LazyTokenizer:
+    """The bundle's tokenizer, loaded on first use (text prompts, stop strings).
+
+    Loading a 150k-entry tokenizer takes seconds; most requests arrive
+    pre-tokenized and never need it.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._lock = threading.Lock()
+        self._tokenizer: Any = None
+
+    def get(self) -> Any:
+        """The ``AutoTokenizer`` for the bundle.
+
+        Raises:
+            OSError / ValueError: the bundle has no usable tokenizer files.
+        """
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = transformers.AutoTokenizer.from_pretrained(self._path)
+            return self._tokenizer

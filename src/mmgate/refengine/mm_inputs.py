@@ -1,0 +1,200 @@
+"""Turn a ``GenerateRequest``'s prompt and multimodal batches into model inputs.
+
+Stage: engine request intake.  In: ``GenerateRequest`` (``tokenized.input_ids``
+already expanded: one placeholder token per embedding row; ``mm_inputs`` and
+``extra_mm_inputs``, one ``MultimodalInputs`` batch per modality); out:
+:class:`ModelInputs` with ``input_ids`` ``[1, seq]`` int64 and the keyword
+tensors the model's ``forward`` takes.
+
+Mirrors ``smg_grpc_servicer/vllm/servicer.py`` ``_build_preprocessed_mm_inputs``
+and ``mm_keys.py`` (smg-grpc-servicer 0.14.1): the primary tensor travels in
+``pixel_values`` under the key ``encoder_input_key`` (default
+``pixel_values``), renamed ``pixel_values_videos`` for a VIDEO batch;
+``model_specific_tensors`` keep their names (``image_grid_thw``,
+``video_grid_thw``, ``second_per_grid_ts``, ...); floating tensors are cast to
+the model dtype (float32).  Two batches carrying the same key are refused.
+
+Only keywords the model's ``forward`` names are passed on; bookkeeping tensors
+such as ``patches_per_image`` (the ``flat_keys`` sizes) are checked for
+consistency and then dropped.  A primary tensor the model cannot take is
+refused, never dropped.  No placeholder count is checked here: the model's own
+code (``get_placeholder_mask``) is the authority on token/feature agreement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
+
+from mmgate.errors import ErrorCode, GatewayError
+from mmgate.refengine.bundle import LazyTokenizer, LoadedModel
+from mmgate.refengine.tensors import decode_tensor, require_shape
+
+DEFAULT_ENCODER_INPUT_KEY = "pixel_values"
+VIDEO_ENCODER_INPUT_KEY = "pixel_values_videos"
+
+#: transformers ``ProcessorMixin.create_mm_token_type_ids`` values
+MM_TOKEN_TYPE_IMAGE = 1
+MM_TOKEN_TYPE_VIDEO = 2
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInputs:
+    """One request's model inputs (batch size 1)."""
+
+    input_ids: torch.Tensor  # [1, seq] int64
+    attention_mask: torch.Tensor  # [1, seq] int64, all ones
+    mm_kwargs: dict[str, torch.Tensor]  # forward kwargs: pixel_values, image_grid_thw, mm_token_type_ids, ...
+    dropped_keys: tuple[str, ...]  # received tensors the model's forward does not take
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+def mm_batches(request: vllm_engine_pb2.GenerateRequest) -> list[vllm_engine_pb2.MultimodalInputs]:
+    """``mm_inputs`` first, then ``extra_mm_inputs`` (``mm_keys.mm_batches``)."""
+    batches = [request.mm_inputs] if request.HasField("mm_inputs") else []
+    batches.extend(request.extra_mm_inputs)
+    return batches
+
+
+def modality_key(key: str, is_video: bool) -> str:
+    """``mm_keys.modality_key``: video pixels go to ``pixel_values_videos``; other keys as-is."""
+    if is_video and key == DEFAULT_ENCODER_INPUT_KEY:
+        return VIDEO_ENCODER_INPUT_KEY
+    return key
+
+
+def _check_layout(mm: vllm_engine_pb2.MultimodalInputs, batch: dict[str, torch.Tensor], is_video: bool) -> None:
+    """Refuse a batch whose layout metadata contradicts its tensors.
+
+    ``flat_keys`` {tensor: sizes}: ``tensor.shape[0] == sizes.sum()``;
+    ``batched_keys``: first dimension == number of placeholders (when given).
+
+    Raises:
+        GatewayError(INVALID_REQUEST)
+    """
+    for key, sizes_key in mm.flat_keys.items():
+        tensor, sizes = batch.get(modality_key(key, is_video)), batch.get(modality_key(sizes_key, is_video))
+        if tensor is None or sizes is None:
+            continue
+        total = int(sizes.sum())
+        if tensor.ndim == 0 or tensor.shape[0] != total:
+            raise GatewayError(
+                ErrorCode.INVALID_REQUEST,
+                f"tensor {key!r} has {tensor.shape[0] if tensor.ndim else 0} rows; "
+                f"its sizes {sizes_key!r} sum to {total}",
+            )
+    items = len(mm.mm_placeholders)
+    for key in mm.batched_keys:
+        tensor = batch.get(modality_key(key, is_video))
+        if tensor is not None and items and (tensor.ndim == 0 or tensor.shape[0] != items):
+            raise GatewayError(
+                ErrorCode.INVALID_REQUEST,
+                f"batched tensor {key!r} has shape {list(tensor.shape)}; the batch has {items} placeholders",
+            )
+
+
+def batch_tensors(mm: vllm_engine_pb2.MultimodalInputs) -> dict[str, torch.Tensor]:
+    """Every tensor of one batch under its forward-kwarg name, floats as float32.
+
+    Raises:
+        GatewayError(INVALID_REQUEST): a malformed tensor or contradictory layout.
+    """
+    is_video = mm.modality == common_pb2.VIDEO
+    batch: dict[str, torch.Tensor] = {}
+    if mm.HasField("pixel_values"):
+        primary = modality_key(mm.encoder_input_key or DEFAULT_ENCODER_INPUT_KEY, is_video)
+        batch[primary] = decode_tensor(mm.pixel_values)
+    for key, td in mm.model_specific_tensors.items():
+        batch[modality_key(key, is_video)] = decode_tensor(td)
+    for key, tensor in batch.items():
+        if tensor.is_floating_point():
+            batch[key] = tensor.to(torch.float32)
+        if key.endswith("_grid_thw"):
+            require_shape(key, tensor, 2)
+    _check_layout(mm, batch, is_video)
+    return batch
+
+
+def prompt_ids(request: vllm_engine_pb2.GenerateRequest, tokenizer: LazyTokenizer, vocab_size: int) -> list[int]:
+    """The prompt token ids: ``tokenized.input_ids``, or ``text`` run through the tokenizer.
+
+    Raises:
+        GatewayError(INVALID_REQUEST): no prompt, an empty prompt, or an id outside the vocabulary.
+    """
+    kind = request.WhichOneof("input")
+    if kind == "tokenized":
+        ids = list(request.tokenized.input_ids)
+    elif kind == "text":
+        ids = list(tokenizer.get()(request.text, add_special_tokens=False)["input_ids"])
+    else:
+        raise GatewayError(ErrorCode.INVALID_REQUEST, "request has neither tokenized input nor text")
+    if not ids:
+        raise GatewayError(ErrorCode.INVALID_REQUEST, "prompt is empty")
+    bad = next((i for i in ids if i >= vocab_size), None)
+    if bad is not None:
+        raise GatewayError(ErrorCode.INVALID_REQUEST, f"token id {bad} is outside the vocabulary ({vocab_size})")
+    return ids
+
+
+def mm_token_type_ids(input_ids: torch.Tensor, image_token_id: int | None, video_token_id: int | None) -> torch.Tensor:
+    """Per-token modality: 0 text, 1 image, 2 video; ``[1, seq]`` int64.
+
+    Mirrors transformers ``processing_utils.ProcessorMixin.create_mm_token_type_ids``
+    (5.24), which the processor returns next to ``input_ids`` and M-RoPE reads.
+    """
+    types = torch.zeros_like(input_ids)
+    if image_token_id is not None:
+        types[input_ids == image_token_id] = MM_TOKEN_TYPE_IMAGE
+    if video_token_id is not None:
+        types[input_ids == video_token_id] = MM_TOKEN_TYPE_VIDEO
+    return types
+
+
+def build_model_inputs(
+    request: vllm_engine_pb2.GenerateRequest, loaded: LoadedModel, tokenizer: LazyTokenizer
+) -> ModelInputs:
+    """Decode and check a request into :class:`ModelInputs`.
+
+    Raises:
+        GatewayError(INVALID_REQUEST): malformed prompt or tensors, duplicate keys across batches.
+        GatewayError(MULTIMODAL_NOT_SUPPORTED): media for a text-only model, worker-side
+            media references, or a primary tensor the model's forward does not take.
+    """
+    facts = loaded.facts
+    if request.HasField("media_refs") and request.media_refs.items:
+        raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED, "this engine does not process media references")
+    ids = prompt_ids(request, tokenizer, facts.vocab_size)
+    input_ids = torch.tensor([ids], dtype=torch.int64)
+    batches = mm_batches(request)
+    if batches and not facts.supports_vision:
+        raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED, f"model {facts.model_type!r} takes no multimodal inputs")
+    tensors: dict[str, torch.Tensor] = {}
+    for mm in batches:
+        batch = batch_tensors(mm)
+        shared = batch.keys() & tensors.keys()
+        if shared:
+            raise GatewayError(
+                ErrorCode.INVALID_REQUEST,
+                f"multimodal batches carry the same tensor keys {sorted(shared)}; one batch per modality is expected",
+            )
+        primary = modality_key(mm.encoder_input_key or DEFAULT_ENCODER_INPUT_KEY, mm.modality == common_pb2.VIDEO)
+        if primary in batch and primary not in loaded.forward_params:
+            raise GatewayError(
+                ErrorCode.MULTIMODAL_NOT_SUPPORTED, f"model {facts.model_type!r} takes no {primary!r} input"
+            )
+        tensors.update(batch)
+    mm_kwargs = {k: v for k, v in tensors.items() if k in loaded.forward_params}
+    dropped = tuple(sorted(k for k in tensors if k not in loaded.forward_params))
+    if "mm_token_type_ids" in loaded.forward_params and facts.supports_vision:
+        mm_kwargs["mm_token_type_ids"] = mm_token_type_ids(input_ids, facts.image_token_id, facts.video_token_id)
+    return ModelInputs(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        mm_kwargs=mm_kwargs,
+        dropped_keys=dropped,
+    )

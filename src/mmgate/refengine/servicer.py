@@ -1,0 +1,258 @@
+"""The ``vllm.grpc.engine.VllmEngine`` servicer over a transformers model.
+
+Stage: engine.  In: gRPC requests from a gateway; out: streamed
+``GenerateResponse`` messages and the management answers.
+
+Threads: gRPC handlers run on the server's pool; model work runs on a
+separate single-thread executor, so HealthCheck, GetServerInfo and Abort are
+answered while a generation runs.  A handler waits on a queue that the model
+thread fills with tokens.
+
+Generate streaming (``stream=true``): one ``GenerateStreamChunk`` per token
+(``token_ids`` = the new token, ``completion_tokens`` = 1, a delta, as the
+vLLM servicer's ``_chunk_response`` sends), then one ``GenerateComplete``
+carrying the totals: every output id, ``completion_tokens`` = their count.
+Non-streaming: the ``GenerateComplete`` only.
+
+Errors: a refused request ends the RPC with ``INVALID_ARGUMENT`` and the
+reason as details: the engine's own checks (:class:`GatewayError`) and any
+``ValueError`` / ``TypeError`` / ``IndexError`` / ``RuntimeError`` the model
+code raises on the request's inputs, message unchanged.  Anything else is
+``INTERNAL`` and logged with its traceback; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import UTC, datetime
+
+import grpc
+from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+from mmgate.errors import ERROR_TABLE, GatewayError
+from mmgate.refengine.bundle import LazyTokenizer, LoadedModel
+from mmgate.refengine.config import EngineConfig
+from mmgate.refengine.generation import GenerationResult, run_generation
+from mmgate.refengine.mm_inputs import ModelInputs, build_model_inputs
+from mmgate.refengine.sampling import GenerationPlan, plan_generation
+
+logger = logging.getLogger(__name__)
+
+SERVER_TYPE = "vllm-grpc"
+#: exceptions the model code raises for inputs it refuses (the request's fault)
+MODEL_INPUT_ERRORS = (ValueError, TypeError, IndexError, RuntimeError)
+_DONE = object()
+
+
+def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status and details a failed request ends with."""
+    if isinstance(exc, GatewayError):
+        caller_fault = ERROR_TABLE[exc.code].status < 500
+        return (grpc.StatusCode.INVALID_ARGUMENT if caller_fault else grpc.StatusCode.INTERNAL), exc.message
+    if isinstance(exc, MODEL_INPUT_ERRORS):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+class RefEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
+    """Serves one loaded model; see the module docstring for threading and errors."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        self._config = config
+        self._loaded = loaded
+        self._tokenizer = LazyTokenizer(config.model)
+        self._executor = ThreadPoolExecutor(max_workers=config.model_workers, thread_name_prefix="refengine-model")
+        self._lock = threading.Lock()
+        self._active: dict[str, threading.Event] = {}  # request id -> cancel flag
+        self._running = 0
+        self._started = time.monotonic()
+        self._last_receive = 0.0
+
+    def shutdown(self) -> None:
+        """Cancel in-flight requests and stop the model thread."""
+        with self._lock:
+            for flag in self._active.values():
+                flag.set()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---- Generate ---------------------------------------------------------------
+
+    def Generate(
+        self, request: vllm_engine_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[vllm_engine_pb2.GenerateResponse]:
+        self._last_receive = time.time()
+        request_id = request.request_id or uuid.uuid4().hex
+        cancelled = threading.Event()
+        with self._lock:
+            if request_id in self._active:
+                context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already running")
+            self._active[request_id] = cancelled
+        context.add_callback(cancelled.set)  # client gone or deadline passed
+        try:
+            for response in self._generate(request, context, cancelled):
+                if response.HasField("complete"):
+                    self._finish(request_id, cancelled)  # no longer active once the client can see the end
+                yield response
+        finally:
+            self._finish(request_id, cancelled)
+
+    def _finish(self, request_id: str, cancelled: threading.Event) -> None:
+        cancelled.set()
+        with self._lock:
+            if self._active.get(request_id) is cancelled:
+                del self._active[request_id]
+
+    def _generate(
+        self, request: vllm_engine_pb2.GenerateRequest, context: grpc.ServicerContext, cancelled: threading.Event
+    ) -> Iterator[vllm_engine_pb2.GenerateResponse]:
+        try:
+            inputs = build_model_inputs(request, self._loaded, self._tokenizer)
+            plan = plan_generation(
+                request.sampling_params, self._loaded.facts, inputs.prompt_len, self._config.max_tokens_default
+            )
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            self._refuse(request.request_id, exc, context)
+            return
+        if inputs.dropped_keys:
+            logger.debug("request %s: not model inputs, dropped: %s", request.request_id, inputs.dropped_keys)
+        events: queue.Queue[object] = queue.Queue()
+        try:
+            future = self._executor.submit(self._run, inputs, plan, events, cancelled)
+        except RuntimeError:  # the executor is shut down
+            context.abort(grpc.StatusCode.UNAVAILABLE, "engine is shutting down")
+        future.add_done_callback(lambda _: events.put(_DONE))
+        prompt_tokens = inputs.prompt_len
+        while (item := events.get()) is not _DONE:
+            if request.stream:
+                yield vllm_engine_pb2.GenerateResponse(
+                    chunk=vllm_engine_pb2.GenerateStreamChunk(
+                        token_ids=[item], prompt_tokens=prompt_tokens, completion_tokens=1
+                    )
+                )
+        result = self._result(future, request.request_id, context)
+        if result is not None:
+            yield vllm_engine_pb2.GenerateResponse(complete=self._complete(result, prompt_tokens))
+
+    def _run(
+        self, inputs: ModelInputs, plan: GenerationPlan, events: queue.Queue[object], cancelled: threading.Event
+    ) -> GenerationResult:
+        with self._lock:
+            self._running += 1
+        try:
+            return run_generation(self._loaded, inputs, plan, events.put, cancelled, self._tokenizer)
+        finally:
+            with self._lock:
+                self._running -= 1
+
+    def _result(
+        self, future: Future[GenerationResult], request_id: str, context: grpc.ServicerContext
+    ) -> GenerationResult | None:
+        exc = future.exception() if not future.cancelled() else None
+        if future.cancelled():
+            context.abort(grpc.StatusCode.UNAVAILABLE, "engine is shutting down")
+        if exc is not None:
+            self._refuse(request_id, exc, context)
+            return None
+        return future.result()
+
+    @staticmethod
+    def _refuse(request_id: str, exc: BaseException, context: grpc.ServicerContext) -> None:
+        code, details = grpc_status(exc)
+        if code is grpc.StatusCode.INTERNAL:
+            logger.error("request %s failed", request_id, exc_info=exc)
+        else:
+            logger.info("request %s refused: %s", request_id, details)
+        context.abort(code, details)
+
+    @staticmethod
+    def _complete(result: GenerationResult, prompt_tokens: int) -> vllm_engine_pb2.GenerateComplete:
+        complete = vllm_engine_pb2.GenerateComplete(
+            output_ids=list(result.output_ids),
+            finish_reason=result.finish_reason.value,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=len(result.output_ids),
+        )
+        if result.matched_token_id is not None:
+            complete.matched_token_id = result.matched_token_id
+        elif result.matched_stop_str is not None:
+            complete.matched_stop_str = result.matched_stop_str
+        return complete
+
+    # ---- management ----------------------------------------------------------------
+
+    def HealthCheck(
+        self, request: vllm_engine_pb2.HealthCheckRequest, context: grpc.ServicerContext
+    ) -> vllm_engine_pb2.HealthCheckResponse:
+        return vllm_engine_pb2.HealthCheckResponse(healthy=True, message="Health")
+
+    def Abort(
+        self, request: vllm_engine_pb2.AbortRequest, context: grpc.ServicerContext
+    ) -> vllm_engine_pb2.AbortResponse:
+        with self._lock:
+            flags = [self._active[r] for r in request.request_ids if r in self._active]
+        for flag in flags:
+            flag.set()
+        logger.info("abort %s (%d running)", list(request.request_ids), len(flags))
+        return vllm_engine_pb2.AbortResponse()
+
+    def GetModelInfo(
+        self, request: vllm_engine_pb2.GetModelInfoRequest, context: grpc.ServicerContext
+    ) -> vllm_engine_pb2.GetModelInfoResponse:
+        facts = self._loaded.facts
+        return vllm_engine_pb2.GetModelInfoResponse(
+            model_path=facts.model_path,
+            is_generation=True,
+            max_context_length=facts.max_context_length,
+            vocab_size=facts.vocab_size,
+            supports_vision=facts.supports_vision,
+            served_model_name=facts.served_model_name,
+            tokenizer_path=facts.model_path,
+            model_type=facts.model_type,
+            architectures=list(facts.architectures),
+            eos_token_ids=list(facts.eos_token_ids),
+            pad_token_id=facts.pad_token_id,
+            bos_token_id=facts.bos_token_id,
+            max_req_input_len=facts.max_context_length,
+        )
+
+    def GetServerInfo(
+        self, request: vllm_engine_pb2.GetServerInfoRequest, context: grpc.ServicerContext
+    ) -> vllm_engine_pb2.GetServerInfoResponse:
+        with self._lock:
+            active = len(self._active)
+        return vllm_engine_pb2.GetServerInfoResponse(
+            active_requests=active,
+            is_paused=False,
+            last_receive_timestamp=self._last_receive,
+            uptime_seconds=time.monotonic() - self._started,
+            server_type=SERVER_TYPE,
+            data_parallel_size=1,
+            shm_namespace_id="",
+            model_dtype="torch.float32",
+            mm_processor="",
+            mm_item_limits="",
+            multimodal_encoder_dtype="float32",
+            max_num_seqs=self._config.model_workers,
+        )
+
+    def GetLoads(
+        self, request: vllm_engine_pb2.GetLoadsRequest, context: grpc.ServicerContext
+    ) -> vllm_engine_pb2.GetLoadsResponse:
+        with self._lock:
+            active, running = len(self._active), self._running
+        load = vllm_engine_pb2.SchedulerLoad(
+            dp_rank=0,
+            num_running_reqs=running,
+            num_waiting_reqs=max(active - running, 0),
+            num_total_reqs=active,
+            max_running_requests=self._config.model_workers,
+        )
+        return vllm_engine_pb2.GetLoadsResponse(
+            timestamp=datetime.now(UTC).isoformat(), version="mmgate-refengine", dp_rank_count=1, loads=[load]
+        )
