@@ -32,11 +32,14 @@ class ErrorCode(StrEnum):
     MEDIA_HOST_NOT_ALLOWED = "media_host_not_allowed"
     MEDIA_DECODE_FAILED = "media_decode_failed"
     MEDIA_TOO_LARGE = "media_too_large"
+    MEDIA_REF_TOO_LARGE = "media_ref_too_large"  # an inline data: URL forwarded to a worker exceeds the byte cap
     IMAGE_ASPECT_RATIO_INVALID = "image_aspect_ratio_invalid"
     MEDIA_FETCH_FAILED = "media_fetch_failed"
     MEDIA_FETCH_TIMEOUT = "media_fetch_timeout"
     MEDIA_FETCH_UNAVAILABLE = "media_fetch_unavailable"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    MULTIMODAL_PAYLOAD_TOO_LARGE = "multimodal_payload_too_large"
+    MULTIMODAL_INFLIGHT_BUDGET = "multimodal_inflight_budget"
     NO_HEALTHY_WORKER = "no_healthy_worker"
     ENGINE_UNAVAILABLE = "engine_unavailable"
     ENGINE_REJECTED = "engine_rejected"
@@ -67,11 +70,14 @@ ERROR_TABLE: dict[ErrorCode, ErrorSpec] = {
     ErrorCode.MEDIA_HOST_NOT_ALLOWED: ErrorSpec(400, False, _INVALID),
     ErrorCode.MEDIA_DECODE_FAILED: ErrorSpec(400, False, _INVALID),
     ErrorCode.MEDIA_TOO_LARGE: ErrorSpec(413, False, _INVALID),
+    ErrorCode.MEDIA_REF_TOO_LARGE: ErrorSpec(400, False, _INVALID),
     ErrorCode.IMAGE_ASPECT_RATIO_INVALID: ErrorSpec(400, False, _INVALID),
     ErrorCode.MEDIA_FETCH_FAILED: ErrorSpec(400, False, _INVALID),
     ErrorCode.MEDIA_FETCH_TIMEOUT: ErrorSpec(503, True, _SERVER),
     ErrorCode.MEDIA_FETCH_UNAVAILABLE: ErrorSpec(503, True, _SERVER),
     ErrorCode.CONTEXT_LENGTH_EXCEEDED: ErrorSpec(400, False, _INVALID),
+    ErrorCode.MULTIMODAL_PAYLOAD_TOO_LARGE: ErrorSpec(413, False, _INVALID),
+    ErrorCode.MULTIMODAL_INFLIGHT_BUDGET: ErrorSpec(429, True, _SERVER),
     ErrorCode.NO_HEALTHY_WORKER: ErrorSpec(503, True, _SERVER),
     ErrorCode.ENGINE_UNAVAILABLE: ErrorSpec(503, True, _SERVER),
     ErrorCode.ENGINE_REJECTED: ErrorSpec(400, False, _INVALID),

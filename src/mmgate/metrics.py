@@ -43,3 +43,18 @@ def stage(name: str, timings: MutableMapping[str, float]) -> Iterator[None]:
         elapsed = time.perf_counter() - start
         timings[name] = timings.get(name, 0.0) + elapsed * 1000.0
         STAGE_SECONDS.labels(name).observe(elapsed)
+
+# Issue 3: transport, budget and cache.
+SHM_WRITE_FAILURES = Counter("smg_mm_shm_write_failures_total",
+                             "Tensors that fell back to inline because the shared-memory write failed",
+                             ["engine"], registry=REGISTRY)
+BUDGET_REJECTIONS = Counter("smg_mm_inflight_budget_rejections_total", "Requests refused by the in-flight budget",
+                            ["code"], registry=REGISTRY)
+BUDGET_IN_USE = Gauge("smg_mm_inflight_bytes", "Preprocessed bytes held for engines", registry=REGISTRY)
+CACHE_HITS = Counter("smg_mm_pixel_cache_hits_total", "Pixel-cache hits", ["modality"], registry=REGISTRY)
+CACHE_MISSES = Counter("smg_mm_pixel_cache_misses_total", "Pixel-cache misses", ["modality"], registry=REGISTRY)
+CACHE_BYTES = Gauge("smg_mm_pixel_cache_bytes", "Bytes held by the pixel cache", registry=REGISTRY)
+
+# Issue 5: where media is processed.
+MM_PROCESSING = Counter("smg_mm_processing_total", "Media requests by where their media is processed, and why",
+                        ["model", "mode", "reason"], registry=REGISTRY)

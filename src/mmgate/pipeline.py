@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from mmgate import metrics
+from mmgate.cache import PixelCache
 from mmgate.api.protocol import AudioPart, ChatCompletionRequest, ImagePart, TextPart, VideoPart
 from mmgate.chat.template import render_chat
 from mmgate.chat.tokenizer import BundleTokenizer
@@ -156,11 +157,13 @@ def splice_anchors(ids: Sequence[int], anchor_id: int, runs: Sequence[tuple[int,
 class Pipeline:
     """Turns chat requests into :class:`PreparedRequest` objects for one model."""
 
-    def __init__(self, runtime: ModelRuntime, settings: Settings, fetcher: MediaFetcher, executor: Executor) -> None:
+    def __init__(self, runtime: ModelRuntime, settings: Settings, fetcher: MediaFetcher, executor: Executor,
+                 cache: PixelCache | None = None) -> None:
         self.runtime = runtime
         self.settings = settings
         self.fetcher = fetcher
         self.executor = executor
+        self.cache = cache
 
     def _sampling(self, req: ChatCompletionRequest) -> SamplingParams:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -172,14 +175,37 @@ class Pipeline:
             frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
         )
 
-    async def prepare(self, req: ChatCompletionRequest, request_id: str | None = None) -> PreparedRequest:
+    async def prepare(self, req: ChatCompletionRequest, request_id: str | None = None,
+                      choose_worker: Callable[[frozenset[Modality]], bool] | None = None) -> PreparedRequest:
         """Run every stage up to an engine-neutral request.
+
+        ``choose_worker(modalities)``, when given, is called once every
+        request-level refusal has had its chance (planning, rendering, anchor
+        count, fetch, decode, per-item geometry) and before any pixel is
+        preprocessed; it selects the worker and returns whether that worker
+        wants raw uint8 pixels (``mm_device_do_normalize``).
 
         Raises:
             GatewayError: any refusal of the stages (see module docstring).
         """
         timings: dict[str, float] = {}
-        runtime, family = self.runtime, self.runtime.family
+        runtime = self.runtime
+        plan, prompt, ids = self.render_prompt(req, timings)
+        ids, batches, plans = await self.process_media(ids, plan, timings, choose_worker)
+        return PreparedRequest(
+            request_id=request_id or f"chatcmpl-{uuid.uuid4().hex}", model=runtime.served_name, prompt_text=prompt,
+            input_ids=tuple(ids), batches=batches, sampling=self._sampling(req), stream=req.stream, plans=plans,
+            timings_ms=timings,
+        )
+
+    def render_prompt(self, req: ChatCompletionRequest,
+                      timings: dict[str, float]) -> tuple[RequestPlan, str, list[int]]:
+        """Plan and render+tokenize: the plan, the rendered prompt, its ids (one anchor per item).
+
+        Every refusal of planning comes first; nothing is fetched.  Used by
+        :meth:`prepare` and by worker-side forwarding (``--mm-processing``).
+        """
+        runtime = self.runtime
         with metrics.stage("plan", timings):
             plan = plan_request(req, runtime, self.settings)
         with metrics.stage("render", timings):
@@ -188,6 +214,20 @@ class Pipeline:
             prompt = render_chat(runtime.bundle.chat_template, plan.template_messages, runtime.tokenizer.special_tokens,
                                  add_generation_prompt=req.add_generation_prompt, extra=req.chat_template_kwargs)
             ids = runtime.tokenizer.encode_prompt(prompt)
+        return plan, prompt, ids
+
+    async def process_media(self, ids: list[int], plan: RequestPlan, timings: dict[str, float],
+                            choose_worker: Callable[[frozenset[Modality]], bool] | None = None,
+                            ) -> tuple[list[int], tuple[EncoderBatch, ...], tuple[ItemPlan, ...]]:
+        """Prompt ids with one anchor per item + the plan's media -> expanded ids, encoder batches, plans.
+
+        Anchor check, fetch+decode, preprocess, expand.  The one implementation
+        of media processing: the gateway runs it in router mode; the reference
+        engine (``--mm-processor inprocess``) and the Redis sidecar run it on
+        forwarded media references (``RequestPlan(template_messages=[], media=refs)``).
+        """
+        family = self.runtime.family
+        modalities = frozenset(r.modality for r in plan.media)
         batches: tuple[EncoderBatch, ...] = ()
         plans: tuple[ItemPlan, ...] = ()
         if plan.media:
@@ -201,7 +241,7 @@ class Pipeline:
             with metrics.stage("fetch_decode", timings):
                 decoded = await self._fetch_decode(images)
             with metrics.stage("preprocess", timings):
-                batch, plans = await self._preprocess(family, decoded)
+                batch, plans = await self._preprocess(family, decoded, modalities, choose_worker)
             with metrics.stage("expand", timings):
                 reps = [family.expand(p) for p in plans]
                 ids, ranges = splice_anchors(ids, anchor, [r.token_ids for r in reps],
@@ -213,11 +253,9 @@ class Pipeline:
                     placeholder_token_id=batch.placeholder_token_id, placeholders=tuple(ranges), mm_hashes=hashes,
                 ),)
             metrics.MM_ITEMS.labels(Modality.IMAGE.value).inc(len(images))
-        return PreparedRequest(
-            request_id=request_id or f"chatcmpl-{uuid.uuid4().hex}", model=runtime.served_name, prompt_text=prompt,
-            input_ids=tuple(ids), batches=batches, sampling=self._sampling(req), stream=req.stream, plans=plans,
-            timings_ms=timings,
-        )
+        elif choose_worker is not None:
+            choose_worker(modalities)
+        return ids, batches, plans
 
     async def _fetch_decode(self, refs: Sequence[MediaRef]) -> list[DecodedImage]:
         """Fetch each distinct URL once, decode each distinct payload once, concurrently."""
@@ -244,10 +282,26 @@ class Pipeline:
             raise
         return [tasks[ref.url].result() for ref in refs]
 
-    async def _preprocess(self, family: Family, images: Sequence[DecodedImage]) -> tuple[EncoderBatch, tuple[ItemPlan, ...]]:
+    async def _preprocess(self, family: Family, images: Sequence[DecodedImage], modalities: frozenset[Modality],
+                          choose_worker: Callable[[frozenset[Modality]], bool] | None,
+                          ) -> tuple[EncoderBatch, tuple[ItemPlan, ...]]:
+        """Plan each image, choose the worker, then preprocess (pixel cache first, then the thread pool)."""
         loop = asyncio.get_running_loop()
         plans = tuple(family.plan(Modality.IMAGE, im.height, im.width) for im in images)
-        rows: list[np.ndarray] = list(await asyncio.gather(*(
-            loop.run_in_executor(self.executor, family.preprocess_one, im, pl) for im, pl in zip(images, plans)
-        )))
+        raw = choose_worker(modalities) if choose_worker is not None else False
+        fingerprint = f"{family.fingerprint}:raw={raw}"
+        keys = [item_hash(im.content_hash, fingerprint) for im in images]
+        cached = [self.cache.get(k) if self.cache is not None else None for k in keys]
+        computed = await asyncio.gather(*(
+            loop.run_in_executor(self.executor, family.preprocess_one, im, pl, raw)
+            for im, pl, hit in zip(images, plans, cached) if hit is None
+        ))
+        rows: list[np.ndarray] = []
+        fresh = iter(computed)
+        for key, hit in zip(keys, cached):
+            if hit is None:
+                hit = next(fresh)
+                if self.cache is not None:
+                    self.cache.put(key, hit)
+            rows.append(hit)
         return family.assemble(rows, plans), plans

@@ -8,6 +8,7 @@ flag, then environment variable, then built-in default.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,24 +34,119 @@ class ImageBackend(StrEnum):
 ENV_MODEL_PATH = "MMGATE_MODEL_PATH"
 ENV_IMAGE_BACKEND = "MMGATE_IMAGE_BACKEND"
 ENV_IMAGE_MAX_BYTES = "SMG_IMAGE_MAX_INPUT_BYTES"
+ENV_VIDEO_MAX_BYTES = "SMG_VIDEO_MAX_INPUT_BYTES"
+ENV_AUDIO_MAX_BYTES = "SMG_AUDIO_MAX_INPUT_BYTES"
 ENV_ALLOW_PRIVATE = "MMGATE_ALLOW_PRIVATE_MEDIA_HOSTS"
 
 
 DEFAULT_IMAGE_MAX_BYTES = 20 * 1024 * 1024
+DEFAULT_VIDEO_MAX_BYTES = 256 * 1024 * 1024
+DEFAULT_AUDIO_MAX_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_IMAGE_PIXELS = 178_956_970  # Pillow's own decompression-bomb error limit (2 x MAX_IMAGE_PIXELS)
 
 
 @dataclass(frozen=True, slots=True)
 class FetchSettings:
-    """Limits of the media fetcher (``mmgate.media.fetch``)."""
+    """Limits of media intake: the fetcher (``mmgate.media.fetch``) and the image decoder
+    (``mmgate.media.image``).  docs/media-intake.md describes each one."""
 
-    allowed_domains: tuple[str, ...] = ()  # empty: any public host
-    allow_private_hosts: bool = False  # loopback/private/link-local targets allowed
-    connect_timeout_s: float = 5.0
-    read_timeout_s: float = 10.0
-    total_timeout_s: float = 20.0
+    allowed_domains: tuple[str, ...] = ()  # empty: any public host; else the host or a subdomain of an entry
+    allow_private_hosts: bool = False  # loopback/private/link-local targets allowed (trusted setups, tests)
+    connect_timeout_s: float = 5.0  # per connection attempt
+    read_timeout_s: float = 10.0  # per read of the response (a stalled origin)
+    total_timeout_s: float = 20.0  # whole fetch: every hop, headers and body (a slow drip)
     max_redirects: int = 3
     image_max_bytes: int = DEFAULT_IMAGE_MAX_BYTES
-    max_image_pixels: int = 178_956_970  # Pillow's own decompression-bomb limit (2 x MAX_IMAGE_PIXELS)
+    video_max_bytes: int = DEFAULT_VIDEO_MAX_BYTES
+    audio_max_bytes: int = DEFAULT_AUDIO_MAX_BYTES
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # checked from the header, before any pixel is decoded
+    image_apply_exif_orientation: bool = False  # False: as the reference processors (no EXIF transpose)
+
+    def max_input_bytes(self, modality: str) -> int:
+        """Byte cap of one item of ``modality`` (``"image"``, ``"video"``, ``"audio"``)."""
+        caps = {"image": self.image_max_bytes, "video": self.video_max_bytes, "audio": self.audio_max_bytes}
+        return caps[str(modality)]
+
+
+class TensorTransport(StrEnum):
+    """How encoder tensors travel to a worker (per tensor)."""
+
+    INLINE = "inline"  # bytes in the gRPC message
+    SHM = "shm"  # POSIX shared memory for tensors >= shm_min_bytes
+    AUTO = "auto"  # shm only when the worker's shm_namespace_id label equals ours
+
+
+ENV_TENSOR_TRANSPORT = "SMG_MM_TENSOR_TRANSPORT"
+ENV_SHM_MIN_BYTES = "SMG_MM_SHM_MIN_BYTES"
+ENV_ENCODER_DTYPE = "MMGATE_MM_ENCODER_DTYPE"
+
+
+@dataclass(frozen=True, slots=True)
+class TransportSettings:
+    """Encoder-tensor transport, dtype, in-flight budget and pixel cache (issue 3)."""
+
+    tensor_transport: TensorTransport = TensorTransport.INLINE
+    shm_min_bytes: int = 65536
+    encoder_dtype: str = "auto"  # auto (worker label multimodal_encoder_dtype, else float32) | float32 | bfloat16 | float16
+    max_inflight_bytes: int | None = None  # None: unbounded
+    budget_wait_s: float = 2.0  # how long a request waits for room before 429
+    pixel_cache_bytes: int = 0  # 0: off
+
+
+def _transport_settings(ns: argparse.Namespace, environ: Mapping[str, str]) -> TransportSettings:
+    mode = ns.multimodal_tensor_transport or environ.get(ENV_TENSOR_TRANSPORT) or TensorTransport.INLINE.value
+    try:
+        transport = TensorTransport(mode)
+    except ValueError:
+        raise SystemExit(f"unreadable tensor transport {mode!r} (inline, shm or auto)") from None
+    min_bytes = ns.multimodal_shm_min_bytes
+    if min_bytes is None:
+        try:
+            min_bytes = int(environ.get(ENV_SHM_MIN_BYTES, "65536"))
+        except ValueError:
+            raise SystemExit(f"{ENV_SHM_MIN_BYTES} must be an integer") from None
+    if min_bytes < 0:
+        raise SystemExit("--multimodal-shm-min-bytes must be 0 or more")
+    dtype = ns.multimodal_encoder_dtype or environ.get(ENV_ENCODER_DTYPE) or "auto"
+    if dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise SystemExit(f"unreadable encoder dtype {dtype!r}")
+    budget = ns.multimodal_max_inflight_bytes
+    if budget is not None and budget <= 0:
+        raise SystemExit("--multimodal-max-inflight-bytes must be positive (leave it unset for no bound)")
+    if ns.mm_pixel_cache_mb < 0:
+        raise SystemExit("--mm-pixel-cache-mb must be 0 or more")
+    return TransportSettings(tensor_transport=transport, shm_min_bytes=min_bytes, encoder_dtype=dtype,
+                             max_inflight_bytes=budget, pixel_cache_bytes=int(ns.mm_pixel_cache_mb * 1024 * 1024))
+
+
+class MmProcessing(StrEnum):
+    """Where media is processed (docs/media-processing.md has the decision table).
+
+    ``router``: always here, in the gateway.  ``worker``: forward media
+    references to a worker that advertises a media processor (503 when none
+    can take them).  ``auto``: worker when every registered worker of the model
+    advertises one, else router.
+    """
+
+    ROUTER = "router"
+    WORKER = "worker"
+    AUTO = "auto"
+
+
+ENV_MM_PROCESSING = "SMG_MM_PROCESSING"  # deprecated spelling of --mm-processing
+
+
+def _mm_processing(flag: str | None, environ: Mapping[str, str]) -> MmProcessing:
+    """``--mm-processing``, else the deprecated ``SMG_MM_PROCESSING`` (with a warning), else auto."""
+    value = flag
+    if value is None and environ.get(ENV_MM_PROCESSING):
+        value = environ[ENV_MM_PROCESSING].strip().lower()
+        logging.getLogger("mmgate.settings").warning(
+            "%s is deprecated; use --mm-processing %s", ENV_MM_PROCESSING, value)
+    try:
+        return MmProcessing(value or MmProcessing.AUTO.value)
+    except ValueError:
+        raise SystemExit(f"unreadable mm processing mode {value!r} (router, worker or auto)") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +163,9 @@ class Settings:
     item_limits: Mapping[str, int] = field(default_factory=dict)  # per-modality overrides
     default_max_tokens: int = 64
     fetch: FetchSettings = field(default_factory=FetchSettings)
+    transport: TransportSettings = field(default_factory=TransportSettings)
+    mm_processing: MmProcessing = MmProcessing.AUTO
+    mm_processing_models: tuple[str, ...] | None = None  # opted in to worker-side processing; None: every model
     preprocess_threads: int = 0  # 0: os.cpu_count()
     log_level: str = "info"
 
@@ -80,6 +179,21 @@ def split_search_path(value: str | None) -> tuple[Path, ...]:
     if not value:
         return ()
     return tuple(Path(p) for p in value.split(os.pathsep) if p)
+
+
+def _byte_cap(flag: int | None, environ: Mapping[str, str], env_name: str, default: int) -> int:
+    """A per-modality byte cap: the flag, else the environment variable, else ``default``."""
+    value = flag
+    if value is None and environ.get(env_name):
+        try:
+            value = int(environ[env_name])
+        except ValueError:
+            raise SystemExit(f"{env_name} must be an integer") from None
+    if value is None:
+        return default
+    if value <= 0:
+        raise SystemExit(f"{env_name} (or its flag) must be a positive number of bytes")
+    return value
 
 
 def _parse_limits(values: Sequence[str]) -> dict[str, int]:
@@ -109,7 +223,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mm-allow-private-media-hosts", action="store_true", default=None,
                    help=f"allow loopback/private media hosts (env {ENV_ALLOW_PRIVATE}); for trusted setups and tests")
     p.add_argument("--mm-fetch-timeout", type=float, default=20.0, help="total fetch timeout, seconds")
+    p.add_argument("--mm-fetch-connect-timeout", type=float, default=5.0, help="connect timeout, seconds")
+    p.add_argument("--mm-fetch-read-timeout", type=float, default=10.0, help="timeout of one read, seconds")
+    p.add_argument("--mm-max-redirects", type=int, default=3, help="redirect hops a media fetch may follow")
     p.add_argument("--image-max-input-bytes", type=int, default=None, help=f"env {ENV_IMAGE_MAX_BYTES}")
+    p.add_argument("--video-max-input-bytes", type=int, default=None, help=f"env {ENV_VIDEO_MAX_BYTES}")
+    p.add_argument("--audio-max-input-bytes", type=int, default=None, help=f"env {ENV_AUDIO_MAX_BYTES}")
+    p.add_argument("--mm-image-max-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
+                   help="refuse images whose header declares more pixels (decompression bombs)")
+    p.add_argument("--mm-image-apply-exif-orientation", action="store_true",
+                   help="apply the EXIF orientation tag before preprocessing (the reference processors do not)")
+    p.add_argument("--multimodal-tensor-transport", choices=[t.value for t in TensorTransport], default=None,
+                   help=f"encoder tensor transport (env {ENV_TENSOR_TRANSPORT}; default inline)")
+    p.add_argument("--multimodal-shm-min-bytes", type=int, default=None,
+                   help=f"smallest tensor sent through shared memory (env {ENV_SHM_MIN_BYTES}; default 65536)")
+    p.add_argument("--multimodal-encoder-dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
+                   help=f"wire dtype of float encoder inputs (env {ENV_ENCODER_DTYPE}); auto follows the worker label")
+    p.add_argument("--multimodal-max-inflight-bytes", type=int, default=None,
+                   help="bound on preprocessed bytes held for engines (unset: unbounded; 0 is refused)")
+    p.add_argument("--mm-pixel-cache-mb", type=float, default=0.0, help="preprocessed-item LRU cache size (0: off)")
+    p.add_argument("--mm-processing", choices=[m.value for m in MmProcessing], default=None,
+                   help=f"where media is processed: router, worker or auto (default; env {ENV_MM_PROCESSING}, deprecated)")
+    p.add_argument("--mm-processing-models", nargs="*", default=None, metavar="MODEL",
+                   help="models opted in to worker-side processing (served or bundle name); unset: every model")
     p.add_argument("--preprocess-threads", type=int, default=0)
     p.add_argument("--log-level", default="info")
     return p
@@ -127,21 +263,28 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         image_backend = ImageBackend(backend)
     except ValueError:
         raise SystemExit(f"unreadable image backend {backend!r}") from None
-    max_bytes = ns.image_max_input_bytes
-    if max_bytes is None and environ.get(ENV_IMAGE_MAX_BYTES):
-        try:
-            max_bytes = int(environ[ENV_IMAGE_MAX_BYTES])
-        except ValueError:
-            raise SystemExit(f"{ENV_IMAGE_MAX_BYTES} must be an integer") from None
     allow_private = ns.mm_allow_private_media_hosts
     if allow_private is None:
         allow_private = _env_bool(environ.get(ENV_ALLOW_PRIVATE))
     fetch = FetchSettings(
-        allowed_domains=tuple(d.lower() for d in ns.mm_allowed_media_domains),
+        allowed_domains=tuple(d.strip().strip(".").lower() for d in ns.mm_allowed_media_domains if d.strip(". ")),
         allow_private_hosts=allow_private,
+        connect_timeout_s=ns.mm_fetch_connect_timeout,
+        read_timeout_s=ns.mm_fetch_read_timeout,
         total_timeout_s=ns.mm_fetch_timeout,
-        image_max_bytes=max_bytes if max_bytes is not None else DEFAULT_IMAGE_MAX_BYTES,
+        max_redirects=ns.mm_max_redirects,
+        image_max_bytes=_byte_cap(ns.image_max_input_bytes, environ, ENV_IMAGE_MAX_BYTES, DEFAULT_IMAGE_MAX_BYTES),
+        video_max_bytes=_byte_cap(ns.video_max_input_bytes, environ, ENV_VIDEO_MAX_BYTES, DEFAULT_VIDEO_MAX_BYTES),
+        audio_max_bytes=_byte_cap(ns.audio_max_input_bytes, environ, ENV_AUDIO_MAX_BYTES, DEFAULT_AUDIO_MAX_BYTES),
+        max_image_pixels=ns.mm_image_max_pixels,
+        image_apply_exif_orientation=ns.mm_image_apply_exif_orientation,
     )
+    for name, value in (("fetch timeouts", min(fetch.connect_timeout_s, fetch.read_timeout_s, fetch.total_timeout_s)),
+                        ("--mm-image-max-pixels", fetch.max_image_pixels)):
+        if value <= 0:
+            raise SystemExit(f"{name} must be positive")
+    if fetch.max_redirects < 0:
+        raise SystemExit("--mm-max-redirects must be 0 or more")
     return Settings(
         model=ns.model,
         model_search_path=split_search_path(ns.model_path or environ.get(ENV_MODEL_PATH)),
@@ -153,6 +296,9 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         item_limits=_parse_limits(ns.mm_limit),
         default_max_tokens=ns.default_max_tokens,
         fetch=fetch,
+        transport=_transport_settings(ns, environ),
+        mm_processing=_mm_processing(ns.mm_processing, environ),
+        mm_processing_models=None if ns.mm_processing_models is None else tuple(ns.mm_processing_models),
         preprocess_threads=ns.preprocess_threads,
         log_level=ns.log_level,
     )

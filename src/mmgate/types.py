@@ -27,6 +27,27 @@ class Modality(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class ItemHints:
+    """Per-item preprocessing hints of one content part (docs/video.md, "Hints").
+
+    ``fps``: frames per second to sample (``video_url.fps``; the reference video
+    processor's ``fps`` kwarg).  ``max_long_side_pixel``: bound on the resized
+    long side (``image_url`` / ``video_url``), mapped to an area bound
+    ``size["longest_edge"]`` per item.  ``None``: the model's own setting.
+    """
+
+    fps: float | None = None
+    max_long_side_pixel: int | None = None
+
+    @property
+    def key(self) -> str:
+        """A stable text form for hashes and de-duplication ('' when no hint is set)."""
+        if self.fps is None and self.max_long_side_pixel is None:
+            return ""
+        return f"fps={self.fps!r};long={self.max_long_side_pixel!r}"
+
+
+@dataclass(frozen=True, slots=True)
 class MediaRef:
     """One media content part of a chat request, before anything is fetched."""
 
@@ -34,6 +55,7 @@ class MediaRef:
     url: str  # http(s):// or data: URL, verbatim from the request
     part_index: int  # position among all media parts of the request (prompt order)
     param: str  # request path of the part, for error messages (``messages[0].content[1]``)
+    hints: ItemHints = ItemHints()
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +77,51 @@ class DecodedImage:
     @property
     def width(self) -> int:
         return int(self.pixels.shape[1])
+
+
+@dataclass(frozen=True, slots=True)
+class VideoMeta:
+    """What a clip's container header says, read as the reference's pyav loader reads it.
+
+    transformers 5.24 ``video_utils.read_video_pyav``: ``total_frames`` =
+    ``streams.video[0].frames``, ``fps`` = ``float(average_rate)``, size from
+    the stream.  ``frames_counted``: the header had no frame count and the
+    frames were counted by decoding (docs/video.md).
+    """
+
+    total_frames: int
+    fps: float
+    height: int
+    width: int
+    codec: str  # decoder name, e.g. ``h264``
+    container: str  # demuxer name, e.g. ``mov,mp4,m4a,3gp,3g2,mj2``
+    frames_counted: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedVideo:
+    """The sampled frames of one clip, RGB, in the stored orientation.
+
+    ``frames``: uint8 ``[N, H, W, 3]`` C-contiguous, ``frames[k]`` is frame
+    ``frame_indices[k]`` of the stream (PyAV ``to_ndarray(format="rgb24")``).
+    ``rotation``: the display-matrix rotation in degrees (counter-clockwise),
+    recorded but not applied, as the reference does not apply it.
+    """
+
+    frames: npt.NDArray[np.uint8]
+    meta: VideoMeta
+    frame_indices: tuple[int, ...]
+    rotation: int
+    content_hash: str  # blake3 hex of the original (encoded) bytes
+    num_bytes: int
+
+    @property
+    def height(self) -> int:
+        return int(self.frames.shape[1])
+
+    @property
+    def width(self) -> int:
+        return int(self.frames.shape[2])
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +156,36 @@ class PlaceholderRange:
 
 
 @dataclass(frozen=True, slots=True)
+class VideoPlan:
+    """Geometry and sampling of one clip, fixed before its frames are decoded.
+
+    ``item.grid_thw`` = ``(grid_t, grid_h, grid_w)`` with ``grid_t`` =
+    ``ceil(len(frame_indices) / temporal_patch_size)`` (the reference pads the
+    last temporal patch with copies of the last frame).
+    """
+
+    item: ItemPlan
+    frame_indices: tuple[int, ...]  # sampled stream frame indices, in order
+    total_frames: int  # VideoMeta.total_frames
+    source_fps: float  # VideoMeta.fps
+    max_pixels: int  # the size["longest_edge"] this clip was resized under (hint applied)
+
+    @property
+    def sampled_fps(self) -> float:
+        """transformers 5.24 ``VideoMetadata.sampled_fps`` (same operation order)."""
+        return len(self.frame_indices) / self.total_frames * self.source_fps
+
+
+@dataclass(frozen=True, slots=True)
 class Replacement:
-    """What replaces one anchor token: the token ids and the embedding range inside them."""
+    """What replaces one anchor token: the token ids and the embedding range inside them.
+
+    The embedding range may hold tokens that receive no embedding: for a
+    Qwen3-VL clip it spans the whole replacement (timestamp text, per-frame
+    ``<|vision_start|>``/``<|vision_end|>``) and the engine embeds only the
+    positions holding the batch's ``placeholder_token_id`` (vLLM's
+    ``is_embed``; the SMG servicer derives it from ``im_token_id``).
+    """
 
     token_ids: tuple[int, ...]
     embed_offset: int  # offset of the placeholder range within ``token_ids``

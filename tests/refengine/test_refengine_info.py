@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,14 +38,17 @@ def test_model_info_reports_the_bundles_own_facts(qwen2_vl_engine: RunningEngine
     assert info.pad_token_id == 151643  # generation_config.json
 
 
-def test_server_info_says_vllm_grpc_inline_only_and_float32(qwen2_vl_engine: RunningEngine) -> None:
+def test_server_info_says_vllm_grpc_shm_namespace_and_float32(qwen2_vl_engine: RunningEngine) -> None:
     stub = stub_for(qwen2_vl_engine.address)
     assert stub.HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=10).healthy
     info = stub.GetServerInfo(vllm_engine_pb2.GetServerInfoRequest(), timeout=10)
     assert info.server_type == "vllm-grpc"
     assert info.uptime_seconds > 0
     assert info.active_requests == 0
-    assert info.shm_namespace_id == ""
+    # <boot_id>:<st_dev of /dev/shm>, read here independently of the code under test.
+    with open("/proc/sys/kernel/random/boot_id") as fh:
+        assert info.shm_namespace_id == f"{fh.read().strip()}:{os.stat('/dev/shm').st_dev}"
+    assert info.mm_device_do_normalize is False
     assert info.mm_processor == ""
     assert info.mm_item_limits == ""
     assert info.multimodal_encoder_dtype == "float32"

@@ -11,6 +11,7 @@ the body (it is logged).  Stage timings of each request travel back in the
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -26,6 +27,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from mmgate import metrics
 from mmgate.api.protocol import parse_chat_request
 from mmgate.api.responses import completion_body, sse_stream
+from mmgate.api.worker_mode import forward_media_refs
+from mmgate.budget import InflightBudget
+from mmgate.cache import PixelCache
 from mmgate.chat.tokenizer import load_tokenizer
 from mmgate.engines.vllm import build_generate_request
 from mmgate.errors import ErrorCode, GatewayError
@@ -34,8 +38,12 @@ from mmgate.models.bundle import resolve_bundle
 from mmgate.models.geometry import resolve_backend
 from mmgate.models.registry import load_family
 from mmgate.pipeline import ModelRuntime, Pipeline
-from mmgate.routing.workers import WorkerRegistry
+from mmgate.routing.mm_processing import Mode, decide_request
+from mmgate.routing.workers import Worker, WorkerRegistry
 from mmgate.settings import Settings
+from mmgate.transport.policy import WirePlan, wire_plan
+from mmgate.transport.shm import ShmLease, sweep_dead_segments
+from mmgate.types import Modality
 
 log = logging.getLogger("mmgate.api")
 
@@ -50,6 +58,7 @@ class GatewayState:
     workers: WorkerRegistry
     fetcher: MediaFetcher
     executor: ThreadPoolExecutor
+    budget: InflightBudget
     started: float
 
 
@@ -68,9 +77,15 @@ def build_state(settings: Settings) -> GatewayState:
     threads = settings.preprocess_threads or (os.cpu_count() or 2)
     executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mmgate-pre")
     fetcher = MediaFetcher(settings.fetch)
+    cache = PixelCache(settings.transport.pixel_cache_bytes) if settings.transport.pixel_cache_bytes else None
+    swept = sweep_dead_segments()
+    if swept:
+        log.info("removed %d shared-memory segments left by dead processes", swept)
     log.info("serving %s (model_type %s, image backend %s)", runtime.served_name, bundle.model_type, backend.value)
-    return GatewayState(settings=settings, runtime=runtime, pipeline=Pipeline(runtime, settings, fetcher, executor),
+    return GatewayState(settings=settings, runtime=runtime,
+                        pipeline=Pipeline(runtime, settings, fetcher, executor, cache),
                         workers=WorkerRegistry(settings.worker_urls), fetcher=fetcher, executor=executor,
+                        budget=InflightBudget(settings.transport.max_inflight_bytes, settings.transport.budget_wait_s),
                         started=time.time())
 
 
@@ -79,7 +94,7 @@ def error_response(exc: GatewayError) -> JSONResponse:
     metrics.ERRORS.labels(exc.code.value).inc()
     headers = {"X-SMG-Error-Code": exc.code.value}
     if exc.spec.retryable:
-        headers["Retry-After"] = "1"
+        headers["Retry-After"] = "2" if exc.code is ErrorCode.MULTIMODAL_INFLIGHT_BUDGET else "1"
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
@@ -115,16 +130,24 @@ def create_app(state: GatewayState) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         req = parse_chat_request(await request.body())
         metrics.REQUESTS.labels(state.runtime.served_name, str(req.stream).lower()).inc()
-        prepared = await state.pipeline.prepare(req)
-        worker = state.workers.select(prepared.modalities)
+        decision = decide_request(req, state.settings, state.runtime, state.workers.workers)
+        if decision is not None and decision.mode is Mode.WORKER:
+            return await forward_media_refs(state, req)
+        chosen: list[tuple[Worker, WirePlan]] = []
+
+        def choose_worker(modalities: frozenset[Modality]) -> bool:
+            worker = state.workers.select(modalities)
+            wire = wire_plan(state.settings.transport, worker.labels)
+            chosen.append((worker, wire))
+            return wire.device_normalize
+
+        prepared = await state.pipeline.prepare(req, choose_worker=choose_worker)
+        worker, wire = chosen[0]
         timings = prepared.timings_ms
-        with metrics.stage("assemble", timings):
-            msg = build_generate_request(prepared)
-        metrics.PROMPT_TOKENS.inc(len(prepared.input_ids))
+        grant = await state.budget.acquire(sum(b.nbytes for b in prepared.batches))
+        lease = ShmLease()
         worker.in_flight += 1
         metrics.ACTIVE_REQUESTS.inc()
-        assert worker.client is not None
-        responses = worker.client.generate(msg)
         released = False
 
         def release() -> None:
@@ -133,7 +156,22 @@ def create_app(state: GatewayState) -> FastAPI:
                 released = True
                 worker.in_flight -= 1
                 metrics.ACTIVE_REQUESTS.dec()
+                lease.release()
+                grant.release()
 
+        try:
+            with metrics.stage("assemble", timings):
+                if prepared.batches:
+                    msg = await asyncio.get_running_loop().run_in_executor(
+                        state.executor, build_generate_request, prepared, wire, lease)
+                else:
+                    msg = build_generate_request(prepared, wire, lease)
+            metrics.PROMPT_TOKENS.inc(len(prepared.input_ids))
+            assert worker.client is not None
+            responses = worker.client.generate(msg)
+        except BaseException:
+            release()
+            raise
         try:
             start = time.perf_counter()
             first = await anext(responses)
@@ -142,6 +180,9 @@ def create_app(state: GatewayState) -> FastAPI:
             release()
             await responses.aclose()
             raise
+        # The engine has read every tensor before answering: free the segments and the budget now.
+        lease.release()
+        grant.release()
         headers = {"X-Mmgate-Stage-Ms": _timing_header(timings), "X-Request-Id": prepared.request_id}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -19,10 +19,17 @@ from mmgate.errors import ErrorCode, GatewayError
 class ImageURL(msgspec.Struct, frozen=True):
     url: str
     detail: str | None = None
+    max_long_side_pixel: int | None = None  # per-item hint (docs/video.md, "Hints")
+
+
+#: bounds of the ``video_url.fps`` hint, frames per second
+VIDEO_FPS_HINT_RANGE = (0.2, 5.0)
 
 
 class VideoURL(msgspec.Struct, frozen=True):
     url: str
+    fps: float | None = None  # per-item hint: frames per second to sample
+    max_long_side_pixel: int | None = None  # per-item hint (docs/video.md, "Hints")
 
 
 class InputAudio(msgspec.Struct, frozen=True):
@@ -109,7 +116,34 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
         raise GatewayError(ErrorCode.INVALID_REQUEST, "temperature must be within [0, 2]", "temperature")
     if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
         raise GatewayError(ErrorCode.INVALID_REQUEST, "top_p must be within (0, 1]", "top_p")
+    _check_hints(req)
     return req
+
+
+def _check_hints(req: ChatCompletionRequest) -> None:
+    """Model-independent checks of per-item hints (the model's resize factor is checked at planning).
+
+    Raises:
+        GatewayError(INVALID_REQUEST): ``fps`` outside ``VIDEO_FPS_HINT_RANGE``,
+            ``max_long_side_pixel`` not positive.
+    """
+    for mi, message in enumerate(req.messages):
+        if not isinstance(message.content, list):
+            continue
+        for pi, part in enumerate(message.content):
+            if isinstance(part, ImagePart):
+                fps, long_side, field = None, part.image_url.max_long_side_pixel, "image_url"
+            elif isinstance(part, VideoPart):
+                fps, long_side, field = part.video_url.fps, part.video_url.max_long_side_pixel, "video_url"
+            else:
+                continue
+            param = f"messages[{mi}].content[{pi}].{field}"
+            low, high = VIDEO_FPS_HINT_RANGE
+            if fps is not None and not low <= fps <= high:
+                raise GatewayError(ErrorCode.INVALID_REQUEST, f"fps must be within [{low}, {high}]", param + ".fps")
+            if long_side is not None and long_side <= 0:
+                raise GatewayError(ErrorCode.INVALID_REQUEST, "max_long_side_pixel must be a positive integer",
+                                   param + ".max_long_side_pixel")
 
 
 def _short(text: str, limit: int = 160) -> str:

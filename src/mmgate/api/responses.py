@@ -5,8 +5,9 @@ message already received, so engine refusals surface as HTTP errors before any
 byte of the stream is sent); out: ``chat.completion`` JSON or
 ``chat.completion.chunk`` SSE events ending with ``data: [DONE]``.
 
-``usage.prompt_tokens`` is the length of the expanded ``input_ids`` (anchors
-replaced by their placeholder runs), as the engine counts it.
+``usage.prompt_tokens`` is the engine's own count (``GenerateComplete.prompt_tokens``,
+taken after expansion), else the length of the expanded ``input_ids``: with
+worker-side media processing only the engine knows the expanded length.
 Streaming text is detokenized incrementally with ``tokenizers``'
 ``DecodeStream`` (no re-decoding of the whole output per token).
 """
@@ -34,6 +35,11 @@ def _finish_reason(complete: vllm_engine_pb2.GenerateComplete) -> str:
     if reason == "error":
         raise GatewayError(ErrorCode.ENGINE_ERROR, "engine reported an error finishing the request")
     return _FINISH.get(reason, reason)
+
+
+def _prompt_tokens(prepared: PreparedRequest, complete: vllm_engine_pb2.GenerateComplete) -> int:
+    """The engine's count of the expanded prompt; our own when the engine reports none."""
+    return int(complete.prompt_tokens) or len(prepared.input_ids)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -64,7 +70,7 @@ async def completion_body(prepared: PreparedRequest, first: vllm_engine_pb2.Gene
         "id": prepared.request_id, "object": "chat.completion", "created": int(time.time()), "model": prepared.model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": tokenizer.decode(output)},
                      "logprobs": None, "finish_reason": _finish_reason(complete)}],
-        "usage": _usage(len(prepared.input_ids), len(output)),
+        "usage": _usage(_prompt_tokens(prepared, complete), len(output)),
     }
 
 
@@ -101,7 +107,8 @@ async def sse_stream(prepared: PreparedRequest, first: vllm_engine_pb2.GenerateR
                 finish = _finish_reason(resp.complete)
                 yield _event({**base, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}]})
                 if include_usage:
-                    yield _event({**base, "choices": [], "usage": _usage(len(prepared.input_ids), count)})
+                    usage = _usage(_prompt_tokens(prepared, resp.complete), count)
+                    yield _event({**base, "choices": [], "usage": usage})
                 break
             resp = await anext(rest, None)
         else:

@@ -20,16 +20,23 @@ else -> ``engine_error`` (502).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import os
+import re
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from mmgate import metrics
-from mmgate.errors import ErrorCode, GatewayError
-from mmgate.transport.inline import to_tensor_data
-from mmgate.types import EncoderBatch, Modality, PreparedRequest
+from mmgate.errors import ERROR_TABLE, ErrorCode, GatewayError
+from mmgate.transport import shm
+from mmgate.transport.dtypes import convert_encoder_input
+from mmgate.transport.inline import to_tensor_data, wire_dtype_name
+from mmgate.transport.policy import INLINE_FLOAT32, WirePlan
+from mmgate.transport.shm import ShmLease
+from mmgate.types import EncoderBatch, MediaRef, Modality, PreparedRequest
 
 ENGINE = "vllm"
 PRIMARY_KEY = "pixel_values"
@@ -43,12 +50,55 @@ CHANNEL_OPTIONS = [
 _UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
                 grpc.StatusCode.CANCELLED}
 _REJECTED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE}
+_ERROR_CODES = frozenset(c.value for c in ErrorCode)
+
+
+_CARRIED = re.compile(r"\A\[code=([a-z0-9_]+)(?: item=(\d+))?\] ?(.*)\Z", re.S)
+
+
+def carried_error_details(code: ErrorCode, message: str, item: int | None = None) -> str:
+    """RPC details that carry an mmgate error code from an engine to the gateway.
+
+    Worker-side media processing (``media_refs``) ends a failed request with
+    INVALID_ARGUMENT (the caller's mistake) or UNAVAILABLE (a transient fault)
+    and these details, e.g. ``[code=media_fetch_timeout item=1] media fetch
+    timed out``: ``item`` is the index into ``media_refs``.
+    """
+    where = f" item={item}" if item is not None else ""
+    return f"[code={code.value}{where}] {message}"
+
+
+def parse_carried_error(status: grpc.StatusCode, details: str) -> GatewayError | None:
+    """The :class:`GatewayError` carried in ``details`` (see :func:`carried_error_details`), or None.
+
+    The code is taken only when the status agrees with it (a 4xx code with
+    INVALID_ARGUMENT, a retryable code with UNAVAILABLE); the item index
+    becomes ``param = "media_refs[i]"``, which the forwarding path maps back
+    to the content part.
+    """
+    match = _CARRIED.match(details)
+    if match is None or match.group(1) not in _ERROR_CODES:
+        return None
+    code = ErrorCode(match.group(1))
+    spec = ERROR_TABLE[code]
+    agrees = (status in _REJECTED and spec.status < 500) or (status in _UNAVAILABLE and spec.retryable)
+    if not agrees:
+        return None
+    param = f"media_refs[{match.group(2)}]" if match.group(2) is not None else None
+    return GatewayError(code, match.group(3)[:500], param)
 
 
 def map_rpc_error(exc: grpc.aio.AioRpcError | grpc.RpcError) -> GatewayError:
-    """The stable error for a failed RPC (details kept, they come from the engine, not the caller)."""
+    """The stable error for a failed RPC (details kept, they come from the engine, not the caller).
+
+    An mmgate code carried in the details (:func:`parse_carried_error`) wins;
+    otherwise the status decides as the module docstring says.
+    """
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = (exc.details() if hasattr(exc, "details") else "") or ""
+    carried = parse_carried_error(code, details)
+    if carried is not None:
+        return carried
     if code in _UNAVAILABLE:
         return GatewayError(ErrorCode.ENGINE_UNAVAILABLE, f"engine unavailable ({code.name})")
     if code in _REJECTED:
@@ -56,8 +106,34 @@ def map_rpc_error(exc: grpc.aio.AioRpcError | grpc.RpcError) -> GatewayError:
     return GatewayError(ErrorCode.ENGINE_ERROR, f"engine error ({code.name}): {details[:300]}")
 
 
-def build_mm_inputs(batch: EncoderBatch) -> vllm_engine_pb2.MultimodalInputs:
-    """One :class:`EncoderBatch` -> ``MultimodalInputs`` (tensors inline)."""
+def _tensor_data(array: np.ndarray, dtype_name: str, wire: WirePlan,
+                 lease: ShmLease | None) -> vllm_engine_pb2.TensorData:
+    """Inline or shared-memory ``TensorData`` for one tensor (shm failures fall back to inline)."""
+    if lease is not None and wire.use_shm(array.nbytes):
+        try:
+            name = shm.write_segment(array)
+        except shm.ShmError:
+            metrics.SHM_WRITE_FAILURES.labels(ENGINE).inc()
+        else:
+            lease.add(name)
+            metrics.MM_TENSORS.labels(ENGINE, "shm").inc()
+            metrics.MM_TENSOR_BYTES.labels(ENGINE, "shm").inc(array.nbytes)
+            handle = common_pb2.ShmHandle(name=name, offset=0, nbytes=array.nbytes, owner_id=f"mmgate-{os.getpid()}")
+            return vllm_engine_pb2.TensorData(shape=list(array.shape), dtype=dtype_name or wire_dtype_name(array),
+                                              shm=handle)
+    metrics.MM_TENSORS.labels(ENGINE, "inline").inc()
+    metrics.MM_TENSOR_BYTES.labels(ENGINE, "inline").inc(array.nbytes)
+    return to_tensor_data(array, dtype_name or None)
+
+
+def build_mm_inputs(batch: EncoderBatch, wire: WirePlan = INLINE_FLOAT32,
+                    lease: ShmLease | None = None) -> vllm_engine_pb2.MultimodalInputs:
+    """One :class:`EncoderBatch` -> ``MultimodalInputs``.
+
+    The primary float32 tensor is converted to ``wire.encoder_dtype``; each
+    tensor of at least ``wire.shm_min_bytes`` goes through shared memory when
+    the plan allows it (segments recorded in ``lease``), else inline.
+    """
     mm = vllm_engine_pb2.MultimodalInputs(
         im_token_id=batch.placeholder_token_id,
         mm_placeholders=[vllm_engine_pb2.PlaceholderRange(offset=r.offset, length=r.length) for r in batch.placeholders],
@@ -68,18 +144,24 @@ def build_mm_inputs(batch: EncoderBatch) -> vllm_engine_pb2.MultimodalInputs:
         modality=_MODALITY[batch.modality],
     )
     for name, array in batch.tensors.items():
-        td = to_tensor_data(array)
+        dtype_name = ""
+        if name == PRIMARY_KEY:
+            array, dtype_name = convert_encoder_input(array, wire.encoder_dtype)
+        td = _tensor_data(array, dtype_name, wire, lease)
         if name == PRIMARY_KEY:
             mm.pixel_values.CopyFrom(td)
         else:
             mm.model_specific_tensors[name].CopyFrom(td)
-        metrics.MM_TENSORS.labels(ENGINE, "inline").inc()
-        metrics.MM_TENSOR_BYTES.labels(ENGINE, "inline").inc(array.nbytes)
     return mm
 
 
-def build_generate_request(req: PreparedRequest, eos_token_ids: tuple[int, ...] = ()) -> vllm_engine_pb2.GenerateRequest:
-    """The ``GenerateRequest`` for a prepared request (expanded ids, sampling, media)."""
+def build_generate_request(req: PreparedRequest, wire: WirePlan = INLINE_FLOAT32,
+                           lease: ShmLease | None = None) -> vllm_engine_pb2.GenerateRequest:
+    """The ``GenerateRequest`` for a prepared request (expanded ids, sampling, media).
+
+    Shared-memory segments it creates are recorded in ``lease``; the caller
+    releases the lease when the engine has answered or the request ended.
+    """
     s = req.sampling
     sampling = vllm_engine_pb2.SamplingParams(
         top_p=s.top_p, top_k=s.top_k, frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
@@ -99,11 +181,25 @@ def build_generate_request(req: PreparedRequest, eos_token_ids: tuple[int, ...] 
         stream=req.stream,
     )
     for i, batch in enumerate(req.batches):
-        mm = build_mm_inputs(batch)
+        mm = build_mm_inputs(batch, wire, lease)
         if i == 0:
             msg.mm_inputs.CopyFrom(mm)
         else:
             msg.extra_mm_inputs.append(mm)
+    return msg
+
+
+def build_media_ref_request(req: PreparedRequest, refs: Sequence[MediaRef]) -> vllm_engine_pb2.GenerateRequest:
+    """The ``GenerateRequest`` for worker-side processing (``--mm-processing worker``).
+
+    ``req.input_ids`` is the *unexpanded* prompt (one anchor per item) and
+    ``req.batches`` is empty; the media travel as ``media_refs`` (URLs
+    verbatim, in prompt order), which the worker fetches, processes and
+    expands itself.
+    """
+    assert not req.batches, "worker-side requests carry references, not tensors"
+    msg = build_generate_request(req)
+    msg.media_refs.items.extend(vllm_engine_pb2.MediaRef(modality=_MODALITY[r.modality], url=r.url) for r in refs)
     return msg
 
 

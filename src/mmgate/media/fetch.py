@@ -3,43 +3,50 @@
 Stage: fetch.  In: a URL string from a content part and the modality's byte
 cap; out: the encoded bytes.  Nothing here decodes.
 
-Policy (docs/media-intake.md):
+Policy (docs/media-intake.md has the full table):
 * schemes: ``data``, ``http``, ``https`` only (else ``unsupported_media_url_scheme``);
-* ``data:`` URLs take a fast path that never runs the payload through a URL
-  parser: the header is read up to the first comma, base64 payloads are
-  decoded with ``binascii`` after dropping ASCII whitespace (line-wrapped
-  payloads), mapping the URL-safe alphabet and restoring missing padding;
-  the declared media type is not trusted (the decoder sniffs the bytes);
-* ``http(s)``: userinfo refused; the host must be on the allow-list when one
-  is set; every address the host resolves to must be public unless
-  ``allow_private_hosts`` (loopback, private, link-local, CGNAT, unspecified,
-  multicast, reserved and metadata addresses, also IPv4-mapped IPv6) — checked
-  before the first request and again on every redirect hop, redirects capped;
-  connect/read/total timeouts; the body is streamed and cut at the byte cap.
-* status discipline: caller's mistakes 400/413, transient faults (timeout,
-  refused connection, origin 5xx) retryable 503.  Messages name the host at
-  most, never the payload.
+* ``data:`` URLs: :mod:`mmgate.media.data_url`;
+* ``http(s)``: the URL is parsed once, by httpx, and that parse is what is
+  checked and what is requested (no parser differential).  Userinfo is
+  refused; the host must be on the allow-list when one is set; a numeric host
+  in any spelling (``2130706433``, ``0x7f000001``, ``0177.0.0.1``,
+  ``[::ffff:127.0.0.1]``) is read by :func:`~mmgate.media.addresses.numeric_host`,
+  a name is resolved once; unless ``allow_private_hosts``, every address
+  must be public (no loopback, private, link-local, CGNAT, unspecified or
+  metadata address).  The connection then goes to exactly those addresses
+  (:mod:`mmgate.media.connect`: no second lookup, so no DNS rebinding), with
+  the name kept for ``Host``, SNI and certificate checks.  Every redirect hop
+  is checked the same way; hops are capped.  Connect, read and total
+  timeouts; the body is streamed and cut at the byte cap.
+* status discipline: the caller's mistakes are 400/413 (bad URL, disallowed
+  host, unresolvable name, origin 4xx, too many redirects, oversized body,
+  a TLS certificate not valid for the name);
+  transient faults are retryable 503 (timeouts, refused or reset
+  connections, a temporary DNS failure, origin 5xx/408/429).  Messages name
+  the host at most, never the payload.
 """
 
 from __future__ import annotations
 
 import asyncio
-import binascii
-import ipaddress
 import socket
-from collections.abc import Awaitable, Callable
-from urllib.parse import unquote_to_bytes, urljoin, urlsplit
+import ssl
 
+import httpcore
 import httpx
 
 from mmgate.errors import ErrorCode, GatewayError
+from mmgate.media.addresses import Resolver, is_public_address, numeric_host, system_resolver
+from mmgate.media.connect import PIN_EXTENSION, Pin, PinnedTransport
+from mmgate.media.data_url import decode_data_url
 from mmgate.settings import FetchSettings
 
-_B64_URLSAFE = bytes.maketrans(b"-_", b"+/")
-_WHITESPACE = b" \t\r\n\f\v"
-ALLOWED_SCHEMES = ("data", "http", "https")
+__all__ = ["ALLOWED_SCHEMES", "MediaFetcher", "Resolver", "check_scheme", "decode_data_url", "is_public_address",
+           "system_resolver", "url_scheme"]
 
-Resolver = Callable[[str, int], Awaitable[list[str]]]
+ALLOWED_SCHEMES = ("data", "http", "https")
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+_TRANSIENT_STATUSES = {408, 429}
 
 
 def url_scheme(url: str) -> str:
@@ -65,69 +72,38 @@ def check_scheme(url: str, param: str | None = None) -> str:
     return scheme
 
 
-def decode_data_url(url: str, max_bytes: int, param: str | None = None) -> bytes:
-    """Payload bytes of a ``data:`` URL.
+def parse_http_url(url: str | httpx.URL, param: str | None = None) -> httpx.URL:
+    """The httpx parse of an http(s) media URL, refused when it has userinfo or no usable host/port.
 
     Raises:
-        GatewayError(INVALID_MEDIA_URL): no comma, or a payload that is not base64.
-        GatewayError(MEDIA_TOO_LARGE): the decoded payload would exceed ``max_bytes``.
+        GatewayError(UNSUPPORTED_MEDIA_URL_SCHEME | INVALID_MEDIA_URL)
     """
-    comma = url.find(",", 5)
-    if comma < 0:
-        raise GatewayError(ErrorCode.INVALID_MEDIA_URL, "data URL has no comma", param)
-    header = url[5:comma]
-    params = [p.strip().lower() for p in header.split(";")]
-    payload = url[comma + 1:]
-    if "base64" in params[1:]:
-        if (len(payload) // 4) * 3 > max_bytes + 3:
-            raise GatewayError(ErrorCode.MEDIA_TOO_LARGE, f"data URL payload exceeds {max_bytes} bytes", param)
-        try:
-            raw = payload.encode("ascii")
-        except UnicodeEncodeError:
-            raise GatewayError(ErrorCode.INVALID_MEDIA_URL, "data URL payload is not base64", param) from None
-        if any(c in raw for c in _WHITESPACE):
-            raw = raw.translate(None, _WHITESPACE)
-        if b"%" in raw:
-            raw = unquote_to_bytes(raw)
-        raw = raw.translate(_B64_URLSAFE).rstrip(b"=")
-        raw += b"=" * (-len(raw) % 4)
-        try:
-            data = binascii.a2b_base64(raw, strict_mode=True)
-        except (binascii.Error, ValueError):
-            raise GatewayError(ErrorCode.INVALID_MEDIA_URL, "data URL payload is not valid base64", param) from None
-    else:
-        data = unquote_to_bytes(payload)
-    if len(data) > max_bytes:
-        raise GatewayError(ErrorCode.MEDIA_TOO_LARGE, f"data URL payload exceeds {max_bytes} bytes", param)
-    if not data:
-        raise GatewayError(ErrorCode.MEDIA_DECODE_FAILED, "data URL payload is empty", param)
-    return data
+    try:
+        parsed = url if isinstance(url, httpx.URL) else httpx.URL(url)
+    except (httpx.InvalidURL, ValueError, TypeError):
+        raise GatewayError(ErrorCode.INVALID_MEDIA_URL, "media URL is invalid", param) from None
+    if parsed.scheme not in _DEFAULT_PORTS:
+        raise GatewayError(ErrorCode.UNSUPPORTED_MEDIA_URL_SCHEME, "media URL must use http or https", param)
+    if parsed.userinfo:
+        raise GatewayError(ErrorCode.INVALID_MEDIA_URL, "media URLs with userinfo are not allowed", param)
+    host = parsed.raw_host.decode("ascii")
+    if not host.strip(".") or "%" in host:
+        raise GatewayError(ErrorCode.INVALID_MEDIA_URL, "media URL has no usable host", param)
+    if parsed.port is not None and not 0 < parsed.port < 65536:
+        raise GatewayError(ErrorCode.INVALID_MEDIA_URL, "media URL has an invalid port", param)
+    return parsed
 
 
-def is_public_address(address: str) -> bool:
-    """False for loopback, private, link-local, CGNAT, unspecified, multicast, reserved, site-local
-    and cloud-metadata addresses, including their IPv4-mapped / 6to4 IPv6 forms."""
-    ip = ipaddress.ip_address(address.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address):
-        for embedded in (ip.ipv4_mapped, ip.sixtofour, ip.teredo[1] if ip.teredo else None):
-            if embedded is not None and not is_public_address(str(embedded)):
-                return False
-        if ip in ipaddress.ip_network("64:ff9b::/96"):  # NAT64 of an IPv4 address
-            return is_public_address(str(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)))
-    if ip.is_loopback or ip.is_private or ip.is_link_local or ip.is_unspecified or ip.is_multicast or ip.is_reserved:
-        return False
-    if isinstance(ip, ipaddress.IPv4Address) and ip in ipaddress.ip_network("100.64.0.0/10"):
-        return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.is_site_local:
-        return False
-    return bool(ip.is_global)
-
-
-async def system_resolver(host: str, port: int) -> list[str]:
-    """All addresses ``host`` resolves to (numeric hosts in any form resolve to themselves)."""
-    loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return sorted({str(info[4][0]) for info in infos})
+def _tls_verification_failed(exc: BaseException) -> bool:
+    """Whether a connect error was a certificate verification failure (the caller's URL, not a transient fault)."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 class MediaFetcher:
@@ -136,17 +112,27 @@ class MediaFetcher:
     Args:
         settings: limits and policy.
         resolver: async ``(host, port) -> [address]``; tests replace it.
-        transport: an ``httpx.AsyncBaseTransport``; tests may replace it with
-            one that fails the test if called.
+        transport: an ``httpx.AsyncBaseTransport``; tests may replace it with one
+            that fails the test if called.  Default: :class:`PinnedTransport`.
+        network_backend: the socket layer under the default transport (an
+            ``httpcore.AsyncNetworkBackend`` that receives IP literals only);
+            tests replace it.
+        ssl_context: TLS settings of the default transport (tests trust their own CA).
     """
 
     def __init__(self, settings: FetchSettings, resolver: Resolver | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None,
+                 network_backend: httpcore.AsyncNetworkBackend | None = None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.settings = settings
         self._resolver = resolver or system_resolver
+        self._allowed = tuple(d.strip(".").lower() for d in settings.allowed_domains if d.strip("."))
         timeout = httpx.Timeout(settings.read_timeout_s, connect=settings.connect_timeout_s)
-        self._client = httpx.AsyncClient(timeout=timeout, follow_redirects=False, transport=transport,
-                                         trust_env=False, headers={"user-agent": "mmgate"})
+        self._client = httpx.AsyncClient(
+            timeout=timeout, follow_redirects=False, trust_env=False,
+            transport=transport or PinnedTransport(network_backend=network_backend, ssl_context=ssl_context),
+            headers={"user-agent": "mmgate", "accept-encoding": "identity"},
+        )
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -160,69 +146,102 @@ class MediaFetcher:
         scheme = check_scheme(url, param)
         if scheme == "data":
             return decode_data_url(url, max_bytes, param)
+        target = parse_http_url(url, param)
         try:
-            return await asyncio.wait_for(self._fetch_http(url, max_bytes, param), self.settings.total_timeout_s)
+            return await asyncio.wait_for(self._fetch_http(target, max_bytes, param), self.settings.total_timeout_s)
         except (TimeoutError, asyncio.TimeoutError):
             raise GatewayError(ErrorCode.MEDIA_FETCH_TIMEOUT, "media fetch timed out", param) from None
 
-    async def _check_target(self, url: str, param: str | None) -> None:
-        parts = urlsplit(url)
-        if parts.scheme.lower() not in ("http", "https"):
-            raise GatewayError(ErrorCode.UNSUPPORTED_MEDIA_URL_SCHEME, "redirect to a non-http scheme", param)
-        if parts.username is not None or parts.password is not None or "@" in parts.netloc:
-            raise GatewayError(ErrorCode.INVALID_MEDIA_URL, "media URLs with userinfo are not allowed", param)
-        host = (parts.hostname or "").rstrip(".").lower()
-        if not host:
-            raise GatewayError(ErrorCode.INVALID_MEDIA_URL, "media URL has no host", param)
-        allowed = self.settings.allowed_domains
-        if allowed and not any(host == d or host.endswith("." + d) for d in allowed):
-            raise GatewayError(ErrorCode.MEDIA_HOST_NOT_ALLOWED, "media host is not on the allow-list", param)
-        if self.settings.allow_private_hosts:
-            return
-        try:
-            port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
-        except ValueError:
-            raise GatewayError(ErrorCode.INVALID_MEDIA_URL, "media URL has an invalid port", param) from None
-        try:
-            addresses = await self._resolver(host, port)
-        except (OSError, UnicodeError):
-            raise GatewayError(ErrorCode.MEDIA_FETCH_FAILED, "media host does not resolve", param) from None
-        if not addresses or not all(is_public_address(a) for a in addresses):
-            raise GatewayError(ErrorCode.MEDIA_HOST_NOT_ALLOWED,
-                               "media host resolves to a private, loopback or link-local address", param)
+    def _host_allowed(self, host: str) -> bool:
+        return not self._allowed or any(host == d or host.endswith("." + d) for d in self._allowed)
 
-    async def _fetch_http(self, url: str, max_bytes: int, param: str | None) -> bytes:
+    async def vet(self, url: httpx.URL, param: str | None = None) -> Pin:
+        """Where a request for ``url`` may connect, after the allow-list and address policy.
+
+        Raises:
+            GatewayError(MEDIA_HOST_NOT_ALLOWED): not on the allow-list, or a non-public address.
+            GatewayError(MEDIA_FETCH_FAILED): the name does not resolve.
+            GatewayError(MEDIA_FETCH_UNAVAILABLE): the resolver failed temporarily.
+        """
+        host = url.raw_host.decode("ascii")
+        name = host.rstrip(".")
+        if not self._host_allowed(name):
+            raise GatewayError(ErrorCode.MEDIA_HOST_NOT_ALLOWED, "media host is not on the allow-list", param)
+        port = url.port or _DEFAULT_PORTS[url.scheme]
+        literal = numeric_host(name)
+        if literal is not None:
+            addresses = [str(literal)]
+        else:
+            addresses = await self._resolve(name, port, param)
+        if not self.settings.allow_private_hosts and not all(is_public_address(a) for a in addresses):
+            raise GatewayError(ErrorCode.MEDIA_HOST_NOT_ALLOWED,
+                               "media host is or resolves to a private, loopback, link-local or metadata address",
+                               param)
+        return Pin(host=host, port=port, addresses=tuple(addresses))
+
+    async def _resolve(self, name: str, port: int, param: str | None) -> list[str]:
+        try:
+            addresses = [str(a) for a in await self._resolver(name, port)]
+        except socket.gaierror as exc:
+            if exc.errno == socket.EAI_AGAIN:
+                raise GatewayError(ErrorCode.MEDIA_FETCH_UNAVAILABLE, "media host name lookup failed temporarily",
+                                   param) from None
+            raise GatewayError(ErrorCode.MEDIA_FETCH_FAILED, "media host does not resolve", param) from None
+        except (OSError, UnicodeError, ValueError):
+            raise GatewayError(ErrorCode.MEDIA_FETCH_FAILED, "media host does not resolve", param) from None
+        if not addresses:
+            raise GatewayError(ErrorCode.MEDIA_FETCH_FAILED, "media host does not resolve", param)
+        return addresses
+
+    async def _fetch_http(self, url: httpx.URL, max_bytes: int, param: str | None) -> bytes:
         for _hop in range(self.settings.max_redirects + 1):
-            await self._check_target(url, param)
+            pin = await self.vet(url, param)
             try:
-                async with self._client.stream("GET", url) as resp:
-                    if resp.is_redirect:
-                        location = resp.headers.get("location")
-                        if not location:
-                            raise GatewayError(ErrorCode.MEDIA_FETCH_FAILED, "redirect without a location", param)
-                        url = urljoin(url, location)
+                async with self._client.stream("GET", url, extensions={PIN_EXTENSION: pin}) as resp:
+                    if resp.has_redirect_location:  # 301/302/303/307/308 with a Location; other 3xx: 400
+                        url = self._redirect_target(url, resp.headers["location"], param)
                         continue
-                    if resp.status_code >= 500:
-                        raise GatewayError(ErrorCode.MEDIA_FETCH_UNAVAILABLE, f"media origin answered {resp.status_code}", param)
-                    if resp.status_code >= 400:
-                        raise GatewayError(ErrorCode.MEDIA_FETCH_FAILED, f"media origin answered {resp.status_code}", param)
-                    declared = resp.headers.get("content-length")
-                    if declared and declared.isdigit() and int(declared) > max_bytes:
-                        raise GatewayError(ErrorCode.MEDIA_TOO_LARGE, f"media exceeds {max_bytes} bytes", param)
-                    chunks = bytearray()
-                    async for chunk in resp.aiter_bytes():
-                        chunks += chunk
-                        if len(chunks) > max_bytes:
-                            raise GatewayError(ErrorCode.MEDIA_TOO_LARGE, f"media exceeds {max_bytes} bytes", param)
-                    if not chunks:
-                        raise GatewayError(ErrorCode.MEDIA_DECODE_FAILED, "media body is empty", param)
-                    return bytes(chunks)
+                    self._check_status(resp.status_code, param)
+                    return await self._read_body(resp, max_bytes, param)
             except httpx.TimeoutException:
                 raise GatewayError(ErrorCode.MEDIA_FETCH_TIMEOUT, "media fetch timed out", param) from None
-            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
-                raise GatewayError(ErrorCode.MEDIA_FETCH_UNAVAILABLE, "media origin could not be reached", param) from None
             except httpx.InvalidURL:
                 raise GatewayError(ErrorCode.INVALID_MEDIA_URL, "media URL is invalid", param) from None
-            except httpx.HTTPError:
-                raise GatewayError(ErrorCode.MEDIA_FETCH_UNAVAILABLE, "media fetch failed", param) from None
+            except (httpx.HTTPError, httpx.StreamError) as exc:
+                if _tls_verification_failed(exc):
+                    raise GatewayError(ErrorCode.MEDIA_FETCH_FAILED, "media origin's TLS certificate is not valid for "
+                                       "its name", param) from None
+                raise GatewayError(ErrorCode.MEDIA_FETCH_UNAVAILABLE, "media origin could not be reached", param) from None
         raise GatewayError(ErrorCode.MEDIA_FETCH_FAILED, f"more than {self.settings.max_redirects} redirects", param)
+
+    @staticmethod
+    def _redirect_target(url: httpx.URL, location: str, param: str | None) -> httpx.URL:
+        try:
+            target = url.join(location)
+        except (httpx.InvalidURL, ValueError, TypeError):
+            raise GatewayError(ErrorCode.MEDIA_FETCH_FAILED, "media origin redirected to an invalid URL", param) from None
+        if target.scheme not in _DEFAULT_PORTS:
+            raise GatewayError(ErrorCode.UNSUPPORTED_MEDIA_URL_SCHEME, "media origin redirected to a non-http URL", param)
+        return parse_http_url(target, param)
+
+    @staticmethod
+    def _check_status(status: int, param: str | None) -> None:
+        if 200 <= status < 300:
+            return
+        if status >= 500 or status in _TRANSIENT_STATUSES:
+            raise GatewayError(ErrorCode.MEDIA_FETCH_UNAVAILABLE, f"media origin answered {status}", param)
+        raise GatewayError(ErrorCode.MEDIA_FETCH_FAILED, f"media origin answered {status}", param)
+
+    @staticmethod
+    async def _read_body(resp: httpx.Response, max_bytes: int, param: str | None) -> bytes:
+        declared = resp.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_bytes:
+            raise GatewayError(ErrorCode.MEDIA_TOO_LARGE, f"media exceeds {max_bytes} bytes", param)
+        body = bytearray()
+        async for chunk in resp.aiter_bytes():
+            body += chunk
+            if len(body) > max_bytes:
+                raise GatewayError(ErrorCode.MEDIA_TOO_LARGE, f"media exceeds {max_bytes} bytes", param)
+        if not body:
+            raise GatewayError(ErrorCode.MEDIA_DECODE_FAILED, "media body is empty", param)
+        return bytes(body)

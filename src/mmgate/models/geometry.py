@@ -164,8 +164,7 @@ def apply_lut(pixels: npt.NDArray[np.uint8], lut: npt.NDArray[np.float32]) -> np
     return out
 
 
-def patchify_qwen(image: npt.NDArray[np.float32], patch_size: int, merge_size: int,
-                  temporal_patch_size: int) -> npt.NDArray[np.float32]:
+def patchify_qwen(image: np.ndarray, patch_size: int, merge_size: int, temporal_patch_size: int) -> np.ndarray:
     """Flatten one normalized image ``[H, W, C]`` into Qwen-VL patches.
 
     Port of transformers 5.24 ``Qwen2VLImageProcessor.patchify`` (torchvision)
@@ -174,7 +173,7 @@ def patchify_qwen(image: npt.NDArray[np.float32], patch_size: int, merge_size: i
     ``temporal_patch_size`` times along a new T axis after C.
 
     Returns:
-        float32 ``[gh*gw, C*T*p*p]``.
+        ``[gh*gw, C*T*p*p]`` in the input's dtype (float32 normalized, or uint8 raw).
     """
     height, width, channels = image.shape
     gh, gw = height // patch_size, width // patch_size
@@ -182,13 +181,13 @@ def patchify_qwen(image: npt.NDArray[np.float32], patch_size: int, merge_size: i
     x = image.reshape(gh // m, m, p, gw // m, m, p, channels)
     # (gh/m, m, p, gw/m, m, p, C) -> (gh/m, gw/m, m_h, m_w, C, p_h, p_w)
     x = x.transpose(0, 3, 1, 4, 6, 2, 5)
-    out = np.empty((gh // m, gw // m, m, m, channels, t, p, p), dtype=np.float32)
+    out = np.empty((gh // m, gw // m, m, m, channels, t, p, p), dtype=image.dtype)
     out[...] = x[:, :, :, :, :, None, :, :]
     return out.reshape(gh * gw, channels * t * p * p)
 
 
-def concat_rows(parts: Sequence[npt.NDArray[np.float32]], width: int) -> npt.NDArray[np.float32]:
-    """Concatenate ``[n_i, width]`` arrays (an empty ``[0, width]`` array for none)."""
+def concat_rows(parts: Sequence[np.ndarray], width: int, dtype: np.dtype = np.dtype(np.float32)) -> np.ndarray:
+    """Concatenate ``[n_i, width]`` arrays (an empty ``[0, width]`` array of ``dtype`` for none)."""
     if not parts:
-        return np.zeros((0, width), dtype=np.float32)
+        return np.zeros((0, width), dtype=dtype)
     return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)

@@ -149,14 +149,19 @@ class QwenVLFamily:
             num_patches=gh * gw, num_tokens=gh * gw // (p.merge_size**2),
         )
 
-    def preprocess_one(self, image: DecodedImage, plan: ItemPlan) -> np.ndarray:
-        """One image -> float32 ``[grid_h*grid_w, C*T*P*P]`` rows of ``pixel_values``."""
+    def preprocess_one(self, image: DecodedImage, plan: ItemPlan, raw: bool = False) -> np.ndarray:
+        """One image -> ``[grid_h*grid_w, C*T*P*P]`` rows of ``pixel_values``.
+
+        float32 normalized values (the reference's), or with ``raw`` the resized
+        uint8 pixels in the same layout, for a worker that rescales and
+        normalizes on device (``mm_device_do_normalize``).
+        """
         p = self.image
         pixels = image.pixels
         if p.do_resize:
             pixels = geometry.resize_uint8(pixels, plan.resized_hw, p.resample, self.backend)
-        normalized = geometry.apply_lut(pixels, self._lut)
-        return geometry.patchify_qwen(normalized, p.patch_size, p.merge_size, p.temporal_patch_size)
+        values = pixels if raw else geometry.apply_lut(pixels, self._lut)
+        return geometry.patchify_qwen(values, p.patch_size, p.merge_size, p.temporal_patch_size)
 
     def assemble(self, rows: Sequence[np.ndarray], plans: Sequence[ItemPlan]) -> EncoderBatch:
         """Stack per-image rows into the batch the engine receives (no placeholders yet)."""
@@ -164,7 +169,8 @@ class QwenVLFamily:
         return EncoderBatch(
             modality=Modality.IMAGE,
             tensors={
-                "pixel_values": geometry.concat_rows(rows, self.image.patch_dim),
+                "pixel_values": geometry.concat_rows(rows, self.image.patch_dim,
+                                                     rows[0].dtype if rows else np.dtype(np.float32)),
                 "image_grid_thw": grid,
                 "patches_per_image": np.array([pl.num_patches for pl in plans], dtype=np.int64),
             },

@@ -26,6 +26,8 @@ class EngineConfig:
     num_threads: int = 2  # torch.set_num_threads
     model_workers: int = 1  # threads running model code (one request at a time per thread)
     rpc_workers: int = 8  # gRPC handler threads (HealthCheck stays answerable while generating)
+    device_normalize: bool = False  # take raw uint8 pixels and rescale+normalize here (mm_device_do_normalize)
+    encoder_dtype: str = "float32"  # advertised multimodal_encoder_dtype label
 
     @property
     def model_name(self) -> str:
@@ -46,6 +48,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", default="", help="name reported by GetModelInfo")
     parser.add_argument("--max-tokens-default", type=int, default=16, help="max_tokens when a request omits it")
     parser.add_argument("--num-threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--mm-device-do-normalize", action="store_true",
+                        help="advertise mm_device_do_normalize: take uint8 pixels and normalize them here")
+    parser.add_argument("--multimodal-encoder-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="advertised encoder input dtype (the gateway converts float tensors to it)")
     return parser
 
 
@@ -69,4 +75,6 @@ def parse_args(argv: list[str] | None) -> EngineConfig:
         served_model_name=ns.served_model_name,
         max_tokens_default=ns.max_tokens_default,
         num_threads=ns.num_threads,
+        device_normalize=ns.mm_device_do_normalize,
+        encoder_dtype=ns.multimodal_encoder_dtype,
     )

@@ -30,6 +30,7 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
 
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.refengine.bundle import LazyTokenizer, LoadedModel
+from mmgate.refengine.device_normalize import DeviceNormalizer
 from mmgate.refengine.tensors import decode_tensor, require_shape
 
 DEFAULT_ENCODER_INPUT_KEY = "pixel_values"
@@ -98,8 +99,13 @@ def _check_layout(mm: vllm_engine_pb2.MultimodalInputs, batch: dict[str, torch.T
             )
 
 
-def batch_tensors(mm: vllm_engine_pb2.MultimodalInputs) -> dict[str, torch.Tensor]:
+def batch_tensors(mm: vllm_engine_pb2.MultimodalInputs,
+                  normalizer: DeviceNormalizer | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of one batch under its forward-kwarg name, floats as float32.
+
+    A uint8 primary tensor (raw pixels) is rescaled and normalized by
+    ``normalizer`` (an engine started with ``--mm-device-do-normalize``); any
+    other engine refuses it.
 
     Raises:
         GatewayError(INVALID_REQUEST): a malformed tensor or contradictory layout.
@@ -109,6 +115,11 @@ def batch_tensors(mm: vllm_engine_pb2.MultimodalInputs) -> dict[str, torch.Tenso
     if mm.HasField("pixel_values"):
         primary = modality_key(mm.encoder_input_key or DEFAULT_ENCODER_INPUT_KEY, is_video)
         batch[primary] = decode_tensor(mm.pixel_values)
+        if batch[primary].dtype == torch.uint8:
+            if normalizer is None:
+                raise GatewayError(ErrorCode.INVALID_REQUEST,
+                                   "raw uint8 pixels sent to an engine that does not normalize on device")
+            batch[primary] = normalizer.normalize(batch[primary])
     for key, td in mm.model_specific_tensors.items():
         batch[modality_key(key, is_video)] = decode_tensor(td)
     for key, tensor in batch.items():
@@ -156,7 +167,8 @@ def mm_token_type_ids(input_ids: torch.Tensor, image_token_id: int | None, video
 
 
 def build_model_inputs(
-    request: vllm_engine_pb2.GenerateRequest, loaded: LoadedModel, tokenizer: LazyTokenizer
+    request: vllm_engine_pb2.GenerateRequest, loaded: LoadedModel, tokenizer: LazyTokenizer,
+    normalizer: DeviceNormalizer | None = None,
 ) -> ModelInputs:
     """Decode and check a request into :class:`ModelInputs`.
 
@@ -175,7 +187,7 @@ def build_model_inputs(
         raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED, f"model {facts.model_type!r} takes no multimodal inputs")
     tensors: dict[str, torch.Tensor] = {}
     for mm in batches:
-        batch = batch_tensors(mm)
+        batch = batch_tensors(mm, normalizer)
         shared = batch.keys() & tensors.keys()
         if shared:
             raise GatewayError(

@@ -39,7 +39,9 @@ from mmgate.errors import ERROR_TABLE, GatewayError
 from mmgate.refengine.bundle import LazyTokenizer, LoadedModel
 from mmgate.refengine.config import EngineConfig
 from mmgate.refengine.generation import GenerationResult, run_generation
+from mmgate.refengine.device_normalize import DeviceNormalizer
 from mmgate.refengine.mm_inputs import ModelInputs, build_model_inputs
+from mmgate.transport.shm import shm_namespace_id
 from mmgate.refengine.sampling import GenerationPlan, plan_generation
 
 logger = logging.getLogger(__name__)
@@ -66,6 +68,7 @@ class RefEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
         self._config = config
         self._loaded = loaded
+        self._normalizer = DeviceNormalizer.from_bundle(config.model) if config.device_normalize else None
         self._tokenizer = LazyTokenizer(config.model)
         self._executor = ThreadPoolExecutor(max_workers=config.model_workers, thread_name_prefix="refengine-model")
         self._lock = threading.Lock()
@@ -112,7 +115,7 @@ class RefEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self, request: vllm_engine_pb2.GenerateRequest, context: grpc.ServicerContext, cancelled: threading.Event
     ) -> Iterator[vllm_engine_pb2.GenerateResponse]:
         try:
-            inputs = build_model_inputs(request, self._loaded, self._tokenizer)
+            inputs = build_model_inputs(request, self._loaded, self._tokenizer, self._normalizer)
             plan = plan_generation(
                 request.sampling_params, self._loaded.facts, inputs.prompt_len, self._config.max_tokens_default
             )
@@ -233,11 +236,12 @@ class RefEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             uptime_seconds=time.monotonic() - self._started,
             server_type=SERVER_TYPE,
             data_parallel_size=1,
-            shm_namespace_id="",
+            shm_namespace_id=shm_namespace_id(),
+            mm_device_do_normalize=self._config.device_normalize,
             model_dtype="torch.float32",
             mm_processor="",
             mm_item_limits="",
-            multimodal_encoder_dtype="float32",
+            multimodal_encoder_dtype=self._config.encoder_dtype,
             max_num_seqs=self._config.model_workers,
         )
 

@@ -20,14 +20,17 @@ import torch
 from smg_grpc_proto.generated import vllm_engine_pb2
 
 from mmgate.errors import ErrorCode, GatewayError
-from mmgate.transport.inline import from_tensor_data
+from mmgate.transport.inline import from_parts, from_tensor_data
+from mmgate.transport.shm import ShmError, read_segment
 
 
 def decode_tensor(td: vllm_engine_pb2.TensorData) -> torch.Tensor:
     """Decode ``td`` into a tensor of its declared shape.
 
     Args:
-        td: ``TensorData`` with an ``inline`` payload.
+        td: ``TensorData`` with an ``inline`` payload, or a ``shm`` handle to a
+            ``/dev/shm`` segment, which is read (never through a symlink) and
+            then unlinked (SMG convention).
 
     Returns:
         ``torch.Tensor`` of ``tuple(td.shape)``: float32 / float16 / bfloat16 /
@@ -37,7 +40,14 @@ def decode_tensor(td: vllm_engine_pb2.TensorData) -> torch.Tensor:
         GatewayError(INVALID_REQUEST): unknown dtype, byte count that does not
             match the shape, or a payload kind this engine does not read.
     """
-    array = from_tensor_data(td)
+    if td.WhichOneof("payload") == "shm":
+        try:
+            raw = read_segment(td.shm.name, int(td.shm.offset), int(td.shm.nbytes))
+        except ShmError as exc:
+            raise GatewayError(ErrorCode.INVALID_REQUEST, f"shared-memory tensor unreadable: {exc}") from None
+        array = from_parts(raw, tuple(td.shape), td.dtype)
+    else:
+        array = from_tensor_data(td)
     if td.dtype == "bfloat16":
         return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
     if td.dtype == "uint32":

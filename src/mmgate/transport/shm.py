@@ -1,0 +1,175 @@
+"""POSIX shared-memory tensor transport (``/dev/shm``).
+
+Stage: transport.  The gateway writes a tensor's raw little-endian bytes into
+its own ``/dev/shm`` segment and sends a ``ShmHandle`` (name, offset, nbytes,
+owner) instead of inline bytes; the consumer reads, then unlinks.
+
+Life cycle (the gateway owns every segment it creates until it is gone):
+* create: ``mmgate-<pid>-<random>``, ``O_CREAT | O_EXCL``, mode 0600;
+* hand over: the name travels in the request;
+* unlink: the consumer unlinks after reading (SMG convention,
+  ``smg_grpc_servicer/mm_shm.py``); the gateway also unlinks every segment of
+  a request once the engine has answered or the request failed, was cancelled
+  or the client went away (:class:`ShmLease` is a context manager) — unlinking
+  twice is harmless;
+* sweep: at start, segments named ``mmgate-<pid>-*`` whose process is dead are
+  unlinked (crash leftovers).
+
+Names are validated on both sides: no ``/``, no ``..``, no NUL, not empty.
+Worker compatibility under ``auto``: shared memory is used only when the
+worker's ``shm_namespace_id`` label equals ours (``<boot_id>:<st_dev of
+/dev/shm>``), i.e. both processes see the same tmpfs.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import stat
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+
+SHM_DIR = "/dev/shm"
+PREFIX = "mmgate-"
+
+
+class ShmError(Exception):
+    """A shared-memory segment could not be written or read."""
+
+
+@lru_cache(maxsize=1)
+def shm_namespace_id() -> str:
+    """This process's ``/dev/shm`` identity ``<boot_id>:<st_dev>`` ('' when unknown)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
+            boot_id = fh.read().strip()
+        return f"{boot_id}:{os.stat(SHM_DIR).st_dev}"
+    except OSError:
+        return ""
+
+
+def validate_name(name: str) -> str:
+    """The bare segment name.
+
+    Raises:
+        ShmError: empty, ``.``/``..``, containing ``/`` (after one leading ``/``) or NUL.
+    """
+    bare = name[1:] if name.startswith("/") else name
+    if not bare or bare in (".", "..") or "/" in bare or "\x00" in bare or ".." in bare:
+        raise ShmError("invalid shared-memory segment name")
+    return bare
+
+
+def write_segment(array: np.ndarray) -> str:
+    """Write ``array``'s bytes (C order) into a new segment; returns its name.
+
+    Raises:
+        ShmError: the segment could not be created or fully written (the partial
+            segment is removed).
+    """
+    data = memoryview(np.ascontiguousarray(array)).cast("B")
+    name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+    path = os.path.join(SHM_DIR, name)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise ShmError(f"cannot create segment ({errno.errorcode.get(exc.errno, exc.errno)})") from None
+    try:
+        written = 0
+        total = len(data)
+        while written < total:
+            n = os.pwrite(fd, data[written:], written)
+            if n <= 0:
+                raise OSError(errno.EIO, "short write")
+            written += n
+    except OSError as exc:
+        os.close(fd)
+        unlink(name)
+        raise ShmError(f"cannot write segment ({errno.errorcode.get(exc.errno or 0, exc.errno)})") from None
+    os.close(fd)
+    return name
+
+
+def read_segment(name: str, offset: int, nbytes: int, unlink_after: bool = True) -> bytes:
+    """Read ``nbytes`` at ``offset`` from a segment (never following symlinks), then unlink it.
+
+    Raises:
+        ShmError: invalid name, missing segment, not a regular file, or short read.
+    """
+    bare = validate_name(name)
+    path = os.path.join(SHM_DIR, bare)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise ShmError(f"cannot open segment ({errno.errorcode.get(exc.errno or 0, exc.errno)})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ShmError("segment is not a regular file")
+        raw = os.pread(fd, nbytes, offset)
+    finally:
+        os.close(fd)
+        if unlink_after:
+            unlink(bare)
+    if len(raw) != nbytes:
+        raise ShmError(f"segment holds {len(raw)} bytes, {nbytes} expected")
+    return raw
+
+
+def unlink(name: str) -> bool:
+    """Remove a segment; False when it was already gone."""
+    try:
+        os.unlink(os.path.join(SHM_DIR, validate_name(name)))
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_dead_segments() -> int:
+    """Unlink ``mmgate-<pid>-*`` segments whose process no longer exists; returns how many."""
+    removed = 0
+    try:
+        entries = os.listdir(SHM_DIR)
+    except OSError:
+        return 0
+    for entry in entries:
+        if not entry.startswith(PREFIX):
+            continue
+        pid_text = entry[len(PREFIX):].split("-", 1)[0]
+        if pid_text.isdigit() and int(pid_text) != os.getpid() and not _pid_alive(int(pid_text)):
+            removed += unlink(entry)
+    return removed
+
+
+@dataclass
+class ShmLease:
+    """The segments of one request; unlinks whatever is left when the request ends."""
+
+    names: list[str] = field(default_factory=list)
+
+    def add(self, name: str) -> None:
+        self.names.append(name)
+
+    def release(self) -> int:
+        """Unlink every segment still present; returns how many were still there."""
+        left = sum(1 for n in self.names if unlink(n))
+        self.names.clear()
+        return left
+
+    def __enter__(self) -> ShmLease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

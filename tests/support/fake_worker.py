@@ -1,0 +1,107 @@
+"""A real gRPC vLLM-wire worker on loopback for gateway tests: no model, configurable delay.
+
+It answers HealthCheck / GetModelInfo / GetServerInfo with the labels a test
+asks for, and Generate with one token after ``delay_s``.  Every request's
+tensors are decoded the way the reference engine decodes them (shared memory
+read, then unlinked) and kept in ``received`` for the test to compare.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+from mmgate.refengine.tensors import decode_tensor
+
+
+@dataclass
+class Received:
+    input_ids: list[int]
+    tensors: dict[str, np.ndarray]  # name -> array as decoded (bf16 as uint16 bits)
+    dtypes: dict[str, str]
+    payloads: dict[str, str]  # name -> "inline" | "shm"
+
+
+@dataclass
+class FakeWorkerState:
+    delay_s: float = 0.0
+    fail_with: grpc.StatusCode | None = None
+    model_type: str = "qwen2_vl"
+    supports_vision: bool = True
+    labels: dict[str, object] = field(default_factory=dict)
+    received: list[Received] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _decode(td: vllm_engine_pb2.TensorData) -> np.ndarray:
+    tensor = decode_tensor(td)
+    if str(tensor.dtype) == "torch.bfloat16":
+        return tensor.view(dtype=__import__("torch").int16).numpy().view(np.uint16)
+    return tensor.numpy()
+
+
+class _Servicer(vllm_engine_pb2_grpc.VllmEngineServicer):
+    def __init__(self, state: FakeWorkerState) -> None:
+        self.state = state
+
+    def HealthCheck(self, request, context):  # noqa: N802 - gRPC API
+        return vllm_engine_pb2.HealthCheckResponse(healthy=True, message="ok")
+
+    def GetModelInfo(self, request, context):  # noqa: N802
+        return vllm_engine_pb2.GetModelInfoResponse(model_path="fake", served_model_name="fake", is_generation=True,
+                                                    max_context_length=32768, vocab_size=151936,
+                                                    supports_vision=self.state.supports_vision,
+                                                    model_type=self.state.model_type, eos_token_ids=[151645])
+
+    def GetServerInfo(self, request, context):  # noqa: N802
+        return vllm_engine_pb2.GetServerInfoResponse(server_type="vllm-grpc", **self.state.labels)
+
+    def Generate(self, request, context):  # noqa: N802
+        tensors: dict[str, np.ndarray] = {}
+        dtypes: dict[str, str] = {}
+        payloads: dict[str, str] = {}
+        batches = ([request.mm_inputs] if request.HasField("mm_inputs") else []) + list(request.extra_mm_inputs)
+        for mm in batches:
+            named = [("pixel_values", mm.pixel_values)] if mm.HasField("pixel_values") else []
+            named += list(mm.model_specific_tensors.items())
+            for name, td in named:
+                tensors[name] = _decode(td)
+                dtypes[name] = td.dtype
+                payloads[name] = td.WhichOneof("payload")
+        with self.state.lock:
+            self.state.received.append(Received(list(request.tokenized.input_ids), tensors, dtypes, payloads))
+        if self.state.delay_s:
+            time.sleep(self.state.delay_s)
+        if self.state.fail_with is not None:
+            context.abort(self.state.fail_with, "fake worker failure")
+        n = len(request.tokenized.input_ids)
+        if request.stream:
+            yield vllm_engine_pb2.GenerateResponse(chunk=vllm_engine_pb2.GenerateStreamChunk(
+                token_ids=[9707], prompt_tokens=n, completion_tokens=1))
+        yield vllm_engine_pb2.GenerateResponse(complete=vllm_engine_pb2.GenerateComplete(
+            output_ids=[9707], finish_reason="stop", prompt_tokens=n, completion_tokens=1))
+
+
+class FakeWorker:
+    """Start with ``FakeWorker(state)``; ``.url`` is its grpc:// address; ``.stop()``."""
+
+    def __init__(self, state: FakeWorkerState | None = None) -> None:
+        self.state = state or FakeWorkerState()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16),
+                                  options=[("grpc.max_receive_message_length", 512 * 1024 * 1024)])
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(_Servicer(self.state), self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    @property
+    def url(self) -> str:
+        return f"grpc://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.stop(grace=0)

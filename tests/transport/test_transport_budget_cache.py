@@ -1,0 +1,259 @@
+"""Shared memory, encoder dtypes, device normalization, in-flight budget, pixel cache and fetch-once.
+
+Gateways run under uvicorn on loopback; the worker is a real gRPC server on
+loopback (tests/support/fake_worker.py) that decodes tensors exactly as the
+reference engine does (``mmgate.refengine.tensors.decode_tensor``: shared
+memory read, then unlinked).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import os
+import threading
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mmgate.budget import InflightBudget
+from mmgate.errors import ErrorCode, GatewayError
+from mmgate.settings import FetchSettings, Settings, TensorTransport, TransportSettings
+from mmgate.transport.dtypes import to_bfloat16_bits, to_float16
+from mmgate.transport.shm import PREFIX, SHM_DIR
+from tests.conftest import bundle_dir
+from tests.support.fake_worker import FakeWorker, FakeWorkerState
+from tests.support.servers import gateway_in_thread, media_origin
+
+MODEL = "Qwen/Qwen2-VL-2B-Instruct"
+# A 64x64 image: smart_resize -> 56x56, grid 4x4 = 16 patches of 3*2*14*14 = 1176 floats.
+SMALL_PV_BYTES = 16 * 1176 * 4
+
+
+def png(h: int, w: int, seed: int = 0) -> bytes:
+    arr = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def chat(urls: list[str], **extra: object) -> dict:
+    content = [{"type": "image_url", "image_url": {"url": u}} for u in urls] + [{"type": "text", "text": "hi"}]
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 1, **extra}
+
+
+def mmgate_segments() -> set[str]:
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX)}
+
+
+def settings(worker: FakeWorker, **transport: object) -> Settings:
+    return Settings(model=str(bundle_dir(MODEL)), worker_urls=(worker.url,),
+                    fetch=FetchSettings(allow_private_hosts=True), transport=TransportSettings(**transport))
+
+
+@pytest.fixture
+def worker() -> Iterator[FakeWorker]:
+    w = FakeWorker()
+    yield w
+    w.stop()
+
+
+def post(base: str, body: dict, timeout: float = 30) -> httpx.Response:
+    return httpx.post(base + "/v1/chat/completions", json=body, timeout=timeout)
+
+
+def test_shm_and_inline_deliver_bit_identical_tensors(worker: FakeWorker) -> None:
+    body = chat([data_url(png(300, 200, 1)), data_url(png(64, 90, 2))])
+    before = mmgate_segments()
+    with gateway_in_thread(settings(worker, tensor_transport=TensorTransport.INLINE)) as base:
+        assert post(base, body).status_code == 200
+    with gateway_in_thread(settings(worker, tensor_transport=TensorTransport.SHM, shm_min_bytes=1024)) as base:
+        assert post(base, body).status_code == 200
+    inline, shm = worker.state.received
+    assert inline.payloads["pixel_values"] == "inline" and shm.payloads["pixel_values"] == "shm"
+    assert shm.payloads["image_grid_thw"] == "inline"  # 48 bytes, under shm_min_bytes
+    assert inline.input_ids == shm.input_ids
+    for name, array in inline.tensors.items():
+        assert array.dtype == shm.tensors[name].dtype and np.array_equal(array, shm.tensors[name]), name
+    assert mmgate_segments() == before
+
+
+def test_auto_uses_shm_only_for_a_worker_in_our_shm_namespace() -> None:
+    with open("/proc/sys/kernel/random/boot_id") as fh:
+        ours = f"{fh.read().strip()}:{os.stat('/dev/shm').st_dev}"
+    body = chat([data_url(png(120, 160))])
+    for label, expected in ((ours, "shm"), ("other-host:1", "inline"), ("", "inline")):
+        w = FakeWorker(FakeWorkerState(labels={"shm_namespace_id": label}))
+        try:
+            with gateway_in_thread(settings(w, tensor_transport=TensorTransport.AUTO)) as base:
+                assert post(base, body).status_code == 200
+            assert w.state.received[0].payloads["pixel_values"] == expected, label
+        finally:
+            w.stop()
+
+
+def test_bfloat16_and_float16_conversions_equal_torch() -> None:
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.standard_normal(100_000).astype(np.float32) * 3,
+                        np.array([0.0, -0.0, 1e-40, -1e-40, 3.4e38, -3.4e38, np.inf, -np.inf, 65504.0, 65520.0,
+                                  1.00390625, 1.01171875, 2.0 ** -24, 2.0 ** -25], dtype=np.float32)])
+    t = torch.from_numpy(x)
+    assert np.array_equal(to_bfloat16_bits(x), t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
+    assert np.array_equal(to_float16(x).view(np.uint16), t.to(torch.float16).numpy().view(np.uint16))
+    nan = to_bfloat16_bits(np.array([np.nan], dtype=np.float32))
+    assert torch.isnan(torch.from_numpy(nan.view(np.int16)).view(torch.bfloat16)).all()
+
+
+@pytest.mark.parametrize("label,wire", [("bfloat16", "bfloat16"), ("float16", "float16"), ("", "float32")])
+def test_encoder_dtype_follows_the_worker_label(label: str, wire: str) -> None:
+    body = chat([data_url(png(100, 140))])
+    w = FakeWorker(FakeWorkerState(labels={"multimodal_encoder_dtype": label}))
+    try:
+        with gateway_in_thread(settings(w)) as base:
+            assert post(base, body).status_code == 200
+        with gateway_in_thread(settings(w, encoder_dtype="float32")) as base:
+            assert post(base, body).status_code == 200
+    finally:
+        w.stop()
+    converted, reference = w.state.received
+    assert converted.dtypes["pixel_values"] == wire and reference.dtypes["pixel_values"] == "float32"
+    f32 = torch.from_numpy(reference.tensors["pixel_values"])
+    if wire == "bfloat16":
+        expected = f32.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    elif wire == "float16":
+        expected = f32.to(torch.float16).numpy()
+    else:
+        expected = f32.numpy()
+    assert np.array_equal(converted.tensors["pixel_values"], expected)
+
+
+def test_device_normalize_worker_gets_uint8_that_normalizes_to_the_same_values() -> None:
+    from mmgate.refengine.device_normalize import DeviceNormalizer
+
+    body = chat([data_url(png(130, 250, 3))])
+    w = FakeWorker(FakeWorkerState(labels={"mm_device_do_normalize": True}))
+    plain = FakeWorker()
+    try:
+        with gateway_in_thread(settings(w)) as base:
+            assert post(base, body).status_code == 200
+        with gateway_in_thread(settings(plain)) as base:
+            assert post(base, body).status_code == 200
+    finally:
+        w.stop()
+        plain.stop()
+    raw = w.state.received[0].tensors["pixel_values"]
+    floats = plain.state.received[0].tensors["pixel_values"]
+    assert raw.dtype == np.uint8 and floats.dtype == np.float32 and raw.shape == floats.shape
+    normalized = DeviceNormalizer.from_bundle(bundle_dir(MODEL)).normalize(torch.from_numpy(raw.copy())).numpy()
+    assert np.array_equal(normalized, floats)
+
+
+def test_cache_hit_equals_miss_bit_for_bit_and_is_counted(worker: FakeWorker) -> None:
+    body = chat([data_url(png(200, 300, 4)), data_url(png(90, 60, 5))])
+    with gateway_in_thread(settings(worker, pixel_cache_bytes=64 * 1024 * 1024)) as base:
+        before = httpx.get(base + "/metrics").text
+        assert post(base, body).status_code == 200
+        assert post(base, body).status_code == 200
+        after = httpx.get(base + "/metrics").text
+    miss, hit = worker.state.received
+    for name in miss.tensors:
+        assert np.array_equal(miss.tensors[name], hit.tensors[name]), name
+
+    def count(text: str, name: str) -> float:
+        line = next((ln for ln in text.splitlines() if ln.startswith(name + '{modality="image"}')), None)
+        return float(line.split()[-1]) if line else 0.0
+
+    assert count(after, "smg_mm_pixel_cache_hits_total") - count(before, "smg_mm_pixel_cache_hits_total") == 2
+    assert count(after, "smg_mm_pixel_cache_misses_total") - count(before, "smg_mm_pixel_cache_misses_total") == 2
+
+
+def test_two_parts_naming_one_url_are_fetched_once(worker: FakeWorker) -> None:
+    with media_origin() as origin:
+        url = origin.add("/same.png", png(70, 90, 6), "image/png")
+        with gateway_in_thread(settings(worker)) as base:
+            resp = post(base, chat([url, url]))
+        assert resp.status_code == 200, resp.text
+        assert origin.hits["/same.png"] == 1
+    received = worker.state.received[0]
+    # 70x90: round(70/28) = round(2.5) = 2 (half to even) -> 56, round(90/28) = 3 -> 84; grid 4x6, twice.
+    assert received.tensors["image_grid_thw"].tolist() == [[1, 4, 6], [1, 4, 6]]
+
+
+def test_request_larger_than_the_budget_is_413_at_once(worker: FakeWorker) -> None:
+    with gateway_in_thread(settings(worker, max_inflight_bytes=SMALL_PV_BYTES + 1000)) as base:
+        resp = post(base, chat([data_url(png(200, 200))]))
+    assert resp.status_code == 413
+    assert resp.headers["X-SMG-Error-Code"] == "multimodal_payload_too_large"
+    assert worker.state.received == []
+
+
+def test_budget_waits_then_429_with_retry_after_and_caps_the_queue() -> None:
+    w = FakeWorker(FakeWorkerState(delay_s=3.5))
+    results: dict[str, httpx.Response] = {}
+    try:
+        with gateway_in_thread(settings(w, max_inflight_bytes=SMALL_PV_BYTES + 1000)) as base:
+            first = threading.Thread(target=lambda: results.__setitem__("first", post(base, chat([data_url(png(64, 64, 1))]))))
+            first.start()
+            while not w.state.received:
+                threading.Event().wait(0.02)
+            second = threading.Thread(target=lambda: results.__setitem__("second", post(base, chat([data_url(png(64, 64, 2))]))))
+            second.start()
+            threading.Event().wait(0.5)  # the second is now queued
+            results["third"] = post(base, chat([data_url(png(64, 64, 3))]))
+            second.join()
+            first.join()
+    finally:
+        w.stop()
+    assert results["first"].status_code == 200
+    for key in ("second", "third"):
+        resp = results[key]
+        assert resp.status_code == 429, key
+        assert resp.headers["X-SMG-Error-Code"] == "multimodal_inflight_budget"
+        assert resp.headers["Retry-After"] == "2"
+    assert results["third"].elapsed.total_seconds() < 1.0  # refused at once: the queue held a budget's worth
+
+
+def test_budget_grants_in_order_as_bytes_are_released() -> None:
+    async def scenario() -> list[str]:
+        budget = InflightBudget(100, wait_s=2.0)
+        order: list[str] = []
+        a = await budget.acquire(60)
+        order.append("a")
+
+        async def later(name: str, n: int) -> None:
+            grant = await budget.acquire(n)
+            order.append(name)
+            grant.release()
+
+        waiting = asyncio.gather(later("b", 60), later("c", 30))
+        await asyncio.sleep(0.05)
+        assert budget.in_use == 60 and order == ["a"]
+        a.release()
+        a.release()  # idempotent
+        await waiting
+        assert budget.in_use == 0
+        with pytest.raises(GatewayError) as err:
+            await budget.acquire(101)
+        assert err.value.code is ErrorCode.MULTIMODAL_PAYLOAD_TOO_LARGE and err.value.status == 413
+        return order
+
+    assert asyncio.run(scenario()) == ["a", "b", "c"]
+
+
+def test_unbounded_budget_and_zero_budget_refused_at_start_up() -> None:
+    from mmgate.settings import parse_settings
+
+    assert parse_settings(["--model", "m"], {}).transport.max_inflight_bytes is None
+    with pytest.raises(SystemExit):
+        parse_settings(["--model", "m", "--multimodal-max-inflight-bytes", "0"], {})
+    assert parse_settings(["--model", "m"], {"SMG_MM_TENSOR_TRANSPORT": "shm",
+                                             "SMG_MM_SHM_MIN_BYTES": "1"}).transport.shm_min_bytes == 1
