@@ -291,17 +291,22 @@ class Pipeline:
         raw = choose_worker(modalities) if choose_worker is not None else False
         fingerprint = f"{family.fingerprint}:raw={raw}"
         keys = [item_hash(im.content_hash, fingerprint) for im in images]
-        cached = [self.cache.get(k) if self.cache is not None else None for k in keys]
+        done: dict[str, np.ndarray] = {}
+        todo: dict[str, tuple[DecodedImage, ItemPlan]] = {}
+        for key, im, pl in zip(keys, images, plans):
+            if key in done or key in todo:
+                continue  # the same image twice in one request is preprocessed once
+            hit = self.cache.get(key) if self.cache is not None else None
+            if hit is not None:
+                done[key] = hit
+            else:
+                todo[key] = (im, pl)
         computed = await asyncio.gather(*(
-            loop.run_in_executor(self.executor, family.preprocess_one, im, pl, raw)
-            for im, pl, hit in zip(images, plans, cached) if hit is None
+            loop.run_in_executor(self.executor, family.preprocess_one, im, pl, raw) for im, pl in todo.values()
         ))
-        rows: list[np.ndarray] = []
-        fresh = iter(computed)
-        for key, hit in zip(keys, cached):
-            if hit is None:
-                hit = next(fresh)
-                if self.cache is not None:
-                    self.cache.put(key, hit)
-            rows.append(hit)
+        for key, rows_of_item in zip(todo, computed):
+            done[key] = rows_of_item
+            if self.cache is not None:
+                self.cache.put(key, rows_of_item)
+        rows = [done[key] for key in keys]
         return family.assemble(rows, plans), plans

@@ -105,3 +105,30 @@ def test_preprocess_rows_and_expansion_agree_with_the_plan(model_type: str, back
     assert np.array_equal(pv, np.concatenate(rows_all, axis=0))
     for key in batch.batched_keys:
         assert batch.tensors[key].shape[0] == len(plans), key
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_pixel_cache_hit_equals_miss(model_type: str) -> None:
+    """Through the pipeline's preprocessing step: a cached image gives the bytes a fresh one gives."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mmgate.cache import PixelCache
+    from mmgate.pipeline import Pipeline
+
+    family, _ = family_for(model_type, BACKENDS[0])
+    first = decode_image(ImageSpec(97, 61, "RGB", 900).encode(), 10**9)
+    images = [first, decode_image(ImageSpec(640, 480, "RGB", 901).encode(), 10**9), first]
+    cache = PixelCache(256 * 1024 * 1024)
+    with ThreadPoolExecutor(2) as pool:
+        pipe = Pipeline.__new__(Pipeline)
+        pipe.executor, pipe.cache = pool, cache
+
+        def run() -> np.ndarray:
+            batch, _ = asyncio.run(pipe._preprocess(family, images, frozenset({Modality.IMAGE}), None))
+            return batch.tensors["pixel_values"]
+
+        miss = run()
+        assert len(cache) == 2  # the repeated image is one entry
+        hit = run()
+    assert miss.dtype == hit.dtype and np.array_equal(miss, hit)
