@@ -48,6 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from mmgate.refengine.server import main as engine_main
 
         return int(engine_main(rest) or 0)
+    if command == "sidecar":
+        from mmgate.sidecar.server import main as sidecar_main
+        return sidecar_main(rest)
     if command == "demo":
         from mmgate.demo import main as demo_main
 

@@ -10,13 +10,19 @@ URL scheme -> chat template -> one anchor per item.  Then each *distinct*
 URL is fetched once (concurrently) and decoded, images are preprocessed in a
 bounded thread pool (numpy, Pillow and torch release the GIL), and every
 anchor is replaced by its placeholder run.
+
+Videos (docs/video.md) take the same path with one more step: each distinct
+clip is sampled from its header (the family's frame sampler), checked against
+the request's decoded-pixel allowance, decoded and preprocessed in the pool,
+one clip per task.  Images and videos become one :class:`EncoderBatch` each,
+in the order their modality first appears in the prompt.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -32,18 +38,23 @@ from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.fetch import MediaFetcher, check_scheme
 from mmgate.media.hashing import item_hash
 from mmgate.media.image import decode_image
+from mmgate.media.video import PixelAllowance, decode_video
 from mmgate.models.bundle import ModelBundle
 from mmgate.models.registry import Family
 from mmgate.settings import Settings
 from mmgate.types import (
     DecodedImage,
+    DecodedVideo,
     EncoderBatch,
+    ItemHints,
     ItemPlan,
     MediaRef,
     Modality,
     PlaceholderRange,
     PreparedRequest,
+    Replacement,
     SamplingParams,
+    VideoPlan,
 )
 
 
@@ -92,14 +103,17 @@ def plan_request(req: ChatCompletionRequest, runtime: ModelRuntime, settings: Se
                 if isinstance(part, TextPart):
                     parts.append({"type": "text", "text": part.text})
                     continue
+                hints = ItemHints()
                 if isinstance(part, ImagePart):
                     modality, url = Modality.IMAGE, part.image_url.url
+                    hints = ItemHints(max_long_side_pixel=part.image_url.max_long_side_pixel)
                 elif isinstance(part, VideoPart):
                     modality, url = Modality.VIDEO, part.video_url.url
+                    hints = ItemHints(fps=part.video_url.fps, max_long_side_pixel=part.video_url.max_long_side_pixel)
                 else:
                     assert isinstance(part, AudioPart)
                     modality, url = Modality.AUDIO, ""
-                media.append(MediaRef(modality=modality, url=url, part_index=len(media), param=param))
+                media.append(MediaRef(modality=modality, url=url, part_index=len(media), param=param, hints=hints))
                 parts.append({"type": modality.value})
             msg["content"] = parts
         else:
@@ -129,6 +143,13 @@ def _check_media(media: Sequence[MediaRef], runtime: ModelRuntime, settings: Set
                                f"{count} {modality.value} items exceed the per-request limit of {limit}", "messages")
     for ref in media:
         check_scheme(ref.url, ref.param)
+        if ref.hints.key and family is not None:
+            family.check_hints(ref.modality, ref.hints, ref.param)
+
+
+def hinted(fingerprint: str, hints: ItemHints) -> str:
+    """The fingerprint of an item processed under ``hints`` (unchanged when none is set)."""
+    return f"{fingerprint}:{hints.key}" if hints.key else fingerprint
 
 
 def splice_anchors(ids: Sequence[int], anchor_id: int, runs: Sequence[tuple[int, ...]],
@@ -140,17 +161,26 @@ def splice_anchors(ids: Sequence[int], anchor_id: int, runs: Sequence[tuple[int,
     Example: ``splice_anchors([7, 9, 8], 9, [(5, 5, 5)], [(0, 3)])`` ->
     ``([7, 5, 5, 5, 8], [PlaceholderRange(1, 3)])``.
     """
+    out, ranges = splice_all(ids, {anchor_id: [Replacement(r, o, n) for r, (o, n) in zip(runs, embed)]})
+    return out, ranges[anchor_id]
+
+
+def splice_all(ids: Sequence[int], reps: Mapping[int, Sequence[Replacement]]) -> tuple[list[int], dict[int, list[PlaceholderRange]]]:
+    """Replace the k-th occurrence of each anchor id ``a`` in ``ids`` by ``reps[a][k]``, in one pass.
+
+    Example: ``splice_all([7, 9, 6, 8], {9: [Replacement((5, 5), 0, 2)], 6: [Replacement((1, 4, 2), 1, 1)]})``
+    -> ``([7, 5, 5, 1, 4, 2, 8], {9: [PlaceholderRange(1, 2)], 6: [PlaceholderRange(4, 1)]})``.
+    """
     out: list[int] = []
-    ranges: list[PlaceholderRange] = []
-    k = 0
+    ranges: dict[int, list[PlaceholderRange]] = {a: [] for a in reps}
     for tok in ids:
-        if tok == anchor_id:
-            offset, length = embed[k]
-            ranges.append(PlaceholderRange(offset=len(out) + offset, length=length))
-            out.extend(runs[k])
-            k += 1
-        else:
+        done = ranges.get(tok)
+        if done is None:
             out.append(tok)
+            continue
+        rep = reps[tok][len(done)]
+        done.append(PlaceholderRange(offset=len(out) + rep.embed_offset, length=rep.embed_length))
+        out.extend(rep.token_ids)
     return out, ranges
 
 
@@ -233,26 +263,42 @@ class Pipeline:
         if plan.media:
             assert family is not None  # _check_media refused media for text-only models
             images = [r for r in plan.media if r.modality is Modality.IMAGE]
-            anchor = family.anchor_token_id(Modality.IMAGE)
-            found = sum(1 for t in ids if t == anchor)
-            if found != len(images):
-                raise GatewayError(ErrorCode.MEDIA_COUNT_MISMATCH,
-                                   f"the prompt has {found} image anchors for {len(images)} images", "messages")
+            videos = [r for r in plan.media if r.modality is Modality.VIDEO]
+            anchors = {m: family.anchor_token_id(m) for m in (Modality.IMAGE, Modality.VIDEO) if m in family.limits}
+            for modality, anchor in anchors.items():
+                count = len(images) if modality is Modality.IMAGE else len(videos)
+                found = sum(1 for t in ids if t == anchor)
+                if found != count:
+                    raise GatewayError(ErrorCode.MEDIA_COUNT_MISMATCH, f"the prompt has {found} {modality.value} "
+                                       f"anchors for {count} {modality.value}s", "messages")
             with metrics.stage("fetch_decode", timings):
-                decoded = await self._fetch_decode(images)
+                decoded, clips = await _all_or_none(self._fetch_decode(images), self._fetch_decode_videos(family, videos))
             with metrics.stage("preprocess", timings):
-                batch, plans = await self._preprocess(family, decoded, modalities, choose_worker)
+                image_plans = tuple(family.plan(Modality.IMAGE, im.height, im.width, r.hints)
+                                    for im, r in zip(decoded, images))
+                video_plans = tuple(family.plan_video(clip, r.hints) for clip, r in zip(clips, videos))
+                raw = choose_worker(modalities) if choose_worker is not None else False
+                image_batch, video_batch = await _all_or_none(
+                    self._preprocess(family, decoded, images, image_plans, raw),
+                    self._preprocess_videos(family, clips, video_plans, raw))
             with metrics.stage("expand", timings):
-                reps = [family.expand(p) for p in plans]
-                ids, ranges = splice_anchors(ids, anchor, [r.token_ids for r in reps],
-                                             [(r.embed_offset, r.embed_length) for r in reps])
-                hashes = tuple(item_hash(d.content_hash, family.fingerprint) for d in decoded)
-                batches = (EncoderBatch(
-                    modality=batch.modality, tensors=batch.tensors, batched_keys=batch.batched_keys,
-                    flat_keys=batch.flat_keys, keep_on_cpu_keys=batch.keep_on_cpu_keys,
-                    placeholder_token_id=batch.placeholder_token_id, placeholders=tuple(ranges), mm_hashes=hashes,
-                ),)
+                reps: dict[int, list[Replacement]] = {}
+                made: dict[Modality, tuple[EncoderBatch | None, tuple[str, ...]]] = {}
+                if images:
+                    reps[anchors[Modality.IMAGE]] = [family.expand(pl) for pl in image_plans]
+                    made[Modality.IMAGE] = (image_batch, tuple(
+                        item_hash(d.content_hash, hinted(family.fingerprint, r.hints)) for d, r in zip(decoded, images)))
+                if videos:
+                    reps[anchors[Modality.VIDEO]] = [family.expand_video(pl) for pl in video_plans]
+                    made[Modality.VIDEO] = (video_batch, tuple(
+                        item_hash(c.content_hash, hinted(family.video_fingerprint, r.hints)) for c, r in zip(clips, videos)))
+                ids, ranges = splice_all(ids, reps)
+                batches = tuple(_with_items(*made[m], ranges[anchors[m]])
+                                for m in dict.fromkeys(r.modality for r in plan.media) if m in made)
+                item_plans = {Modality.IMAGE: iter(image_plans), Modality.VIDEO: iter(p.item for p in video_plans)}
+                plans = tuple(next(item_plans[r.modality]) for r in plan.media if r.modality in item_plans)
             metrics.MM_ITEMS.labels(Modality.IMAGE.value).inc(len(images))
+            metrics.MM_ITEMS.labels(Modality.VIDEO.value).inc(len(videos))
         elif choose_worker is not None:
             choose_worker(modalities)
         return ids, batches, plans
@@ -282,15 +328,14 @@ class Pipeline:
             raise
         return [tasks[ref.url].result() for ref in refs]
 
-    async def _preprocess(self, family: Family, images: Sequence[DecodedImage], modalities: frozenset[Modality],
-                          choose_worker: Callable[[frozenset[Modality]], bool] | None,
-                          ) -> tuple[EncoderBatch, tuple[ItemPlan, ...]]:
-        """Plan each image, choose the worker, then preprocess (pixel cache first, then the thread pool)."""
+    async def _preprocess(self, family: Family, images: Sequence[DecodedImage], refs: Sequence[MediaRef],
+                          plans: Sequence[ItemPlan], raw: bool) -> EncoderBatch | None:
+        """Preprocess planned images (pixel cache first, then the thread pool); None for no images."""
+        if not images:
+            return None
         loop = asyncio.get_running_loop()
-        plans = tuple(family.plan(Modality.IMAGE, im.height, im.width) for im in images)
-        raw = choose_worker(modalities) if choose_worker is not None else False
         fingerprint = f"{family.fingerprint}:raw={raw}"
-        keys = [item_hash(im.content_hash, fingerprint) for im in images]
+        keys = [item_hash(im.content_hash, hinted(fingerprint, r.hints)) for im, r in zip(images, refs)]
         done: dict[str, np.ndarray] = {}
         todo: dict[str, tuple[DecodedImage, ItemPlan]] = {}
         for key, im, pl in zip(keys, images, plans):
@@ -309,4 +354,65 @@ class Pipeline:
             if self.cache is not None:
                 self.cache.put(key, rows_of_item)
         rows = [done[key] for key in keys]
-        return family.assemble(rows, plans), plans
+        return family.assemble(rows, plans)
+
+    async def _fetch_decode_videos(self, family: Family, refs: Sequence[MediaRef]) -> list[DecodedVideo]:
+        """Fetch each distinct URL once; sample and decode each distinct (URL, fps hint) once, one clip per
+        pool task, all clips sharing the request's decoded-pixel allowance."""
+        if not refs:
+            return []
+        loop = asyncio.get_running_loop()
+        fs, vs = self.settings.fetch, self.settings.video
+        allowance = PixelAllowance(vs.max_decoded_pixels)
+        payloads: dict[str, asyncio.Future[bytes]] = {}
+
+        async def one(ref: MediaRef) -> DecodedVideo:
+            data = await payloads[ref.url]
+            try:
+                return await loop.run_in_executor(self.executor, decode_video, data,
+                                                  lambda meta: family.sample_video(meta, ref.hints), allowance,
+                                                  vs.decode_timeout_s)
+            except GatewayError as exc:
+                raise GatewayError(exc.code, exc.message, ref.param) from None
+
+        tasks: dict[tuple[str, float | None], asyncio.Future[DecodedVideo]] = {}
+        for ref in refs:
+            if ref.url not in payloads:
+                payloads[ref.url] = asyncio.ensure_future(self.fetcher.fetch(ref.url, fs.video_max_bytes, ref.param))
+            if (ref.url, ref.hints.fps) not in tasks:
+                tasks[(ref.url, ref.hints.fps)] = asyncio.ensure_future(one(ref))
+        await _all_or_none(*payloads.values(), *tasks.values())
+        return [tasks[(ref.url, ref.hints.fps)].result() for ref in refs]
+
+    async def _preprocess_videos(self, family: Family, clips: Sequence[DecodedVideo], plans: Sequence[VideoPlan],
+                                 raw: bool) -> EncoderBatch | None:
+        """Preprocess each distinct (clip, plan) once, in parallel in the pool; None for no clips."""
+        if not clips:
+            return None
+        loop = asyncio.get_running_loop()
+        todo: dict[tuple[int, VideoPlan], asyncio.Future[np.ndarray]] = {}
+        for clip, pl in zip(clips, plans):
+            if (id(clip), pl) not in todo:
+                todo[(id(clip), pl)] = loop.run_in_executor(self.executor, family.preprocess_video, clip, pl, raw)
+        await _all_or_none(*todo.values())
+        return family.assemble_video([todo[(id(c), pl)].result() for c, pl in zip(clips, plans)], plans)
+
+
+async def _all_or_none(*aws: Awaitable[Any]) -> list[Any]:
+    """``asyncio.gather`` that cancels the others when one fails (and waits for them)."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def _with_items(batch: EncoderBatch | None, hashes: tuple[str, ...], ranges: Sequence[PlaceholderRange]) -> EncoderBatch:
+    """``batch`` with its items' hashes and placeholder ranges."""
+    assert batch is not None
+    return EncoderBatch(modality=batch.modality, tensors=batch.tensors, batched_keys=batch.batched_keys,
+                        flat_keys=batch.flat_keys, keep_on_cpu_keys=batch.keep_on_cpu_keys,
+                        placeholder_token_id=batch.placeholder_token_id, placeholders=tuple(ranges), mm_hashes=hashes)

@@ -68,6 +68,18 @@ class FetchSettings:
         return caps[str(modality)]
 
 
+DEFAULT_VIDEO_MAX_DECODED_PIXELS = 1 << 28  # ~0.8 GB of RGB frames per request
+DEFAULT_VIDEO_DECODE_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class VideoSettings:
+    """Limits of video decoding (``mmgate.media.video``; docs/video.md, "Limits")."""
+
+    max_decoded_pixels: int = DEFAULT_VIDEO_MAX_DECODED_PIXELS  # per request: sum of sampled frames x H x W
+    decode_timeout_s: float = DEFAULT_VIDEO_DECODE_TIMEOUT_S  # per clip, wall clock
+
+
 class TensorTransport(StrEnum):
     """How encoder tensors travel to a worker (per tensor)."""
 
@@ -163,6 +175,7 @@ class Settings:
     item_limits: Mapping[str, int] = field(default_factory=dict)  # per-modality overrides
     default_max_tokens: int = 64
     fetch: FetchSettings = field(default_factory=FetchSettings)
+    video: VideoSettings = field(default_factory=VideoSettings)
     transport: TransportSettings = field(default_factory=TransportSettings)
     mm_processing: MmProcessing = MmProcessing.AUTO
     mm_processing_models: tuple[str, ...] | None = None  # opted in to worker-side processing; None: every model
@@ -228,6 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mm-max-redirects", type=int, default=3, help="redirect hops a media fetch may follow")
     p.add_argument("--image-max-input-bytes", type=int, default=None, help=f"env {ENV_IMAGE_MAX_BYTES}")
     p.add_argument("--video-max-input-bytes", type=int, default=None, help=f"env {ENV_VIDEO_MAX_BYTES}")
+    p.add_argument("--video-max-decoded-pixels", type=int, default=DEFAULT_VIDEO_MAX_DECODED_PIXELS,
+                   help="per request: sampled video frames x height x width, checked before decoding")
+    p.add_argument("--video-decode-timeout", type=float, default=DEFAULT_VIDEO_DECODE_TIMEOUT_S,
+                   help="wall-clock limit of decoding one clip, seconds")
     p.add_argument("--audio-max-input-bytes", type=int, default=None, help=f"env {ENV_AUDIO_MAX_BYTES}")
     p.add_argument("--mm-image-max-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
                    help="refuse images whose header declares more pixels (decompression bombs)")
@@ -285,6 +302,9 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
             raise SystemExit(f"{name} must be positive")
     if fetch.max_redirects < 0:
         raise SystemExit("--mm-max-redirects must be 0 or more")
+    video = VideoSettings(max_decoded_pixels=ns.video_max_decoded_pixels, decode_timeout_s=ns.video_decode_timeout)
+    if video.max_decoded_pixels <= 0 or video.decode_timeout_s <= 0:
+        raise SystemExit("--video-max-decoded-pixels and --video-decode-timeout must be positive")
     return Settings(
         model=ns.model,
         model_search_path=split_search_path(ns.model_path or environ.get(ENV_MODEL_PATH)),
@@ -296,6 +316,7 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         item_limits=_parse_limits(ns.mm_limit),
         default_max_tokens=ns.default_max_tokens,
         fetch=fetch,
+        video=video,
         transport=_transport_settings(ns, environ),
         mm_processing=_mm_processing(ns.mm_processing, environ),
         mm_processing_models=None if ns.mm_processing_models is None else tuple(ns.mm_processing_models),

@@ -257,3 +257,36 @@ def test_unbounded_budget_and_zero_budget_refused_at_start_up() -> None:
         parse_settings(["--model", "m", "--multimodal-max-inflight-bytes", "0"], {})
     assert parse_settings(["--model", "m"], {"SMG_MM_TENSOR_TRANSPORT": "shm",
                                              "SMG_MM_SHM_MIN_BYTES": "1"}).transport.shm_min_bytes == 1
+
+
+def test_encoded_request_parses_to_the_built_message() -> None:
+    """encode_generate_request appends the big inline tensor as a second mm_inputs record: protobuf merges it."""
+    import asyncio
+    import json
+
+    from smg_grpc_proto.generated import vllm_engine_pb2
+
+    from mmgate.api.app import build_state
+    from mmgate.api.protocol import parse_chat_request
+    from mmgate.engines.vllm import build_generate_request, encode_generate_request
+    from mmgate.transport.dtypes import EncoderDtype
+    from mmgate.transport.policy import WirePlan
+
+    state = build_state(Settings(model=str(bundle_dir(MODEL))))
+    try:
+        with_images = parse_chat_request(json.dumps(chat([data_url(png(300, 410, 7)), data_url(png(50, 60, 8))])).encode())
+        text_only = parse_chat_request(json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode())
+        prepared = asyncio.run(state.pipeline.prepare(with_images))
+        prepared_text = asyncio.run(state.pipeline.prepare(text_only))
+    finally:
+        state.executor.shutdown()
+    for dtype in (EncoderDtype.FLOAT32, EncoderDtype.BFLOAT16):
+        wire = WirePlan(shm=False, shm_min_bytes=0, encoder_dtype=dtype, device_normalize=False)
+        built = build_generate_request(prepared, wire)
+        parsed = vllm_engine_pb2.GenerateRequest.FromString(encode_generate_request(prepared, wire))
+        assert parsed == built
+        assert parsed.mm_inputs.pixel_values.dtype == dtype.value
+        assert len(parsed.mm_inputs.pixel_values.inline) == prepared.batches[0].tensors["pixel_values"].size * (
+            4 if dtype is EncoderDtype.FLOAT32 else 2)
+    assert vllm_engine_pb2.GenerateRequest.FromString(encode_generate_request(prepared_text)) == \
+        build_generate_request(prepared_text)

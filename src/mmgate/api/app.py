@@ -31,7 +31,7 @@ from mmgate.api.worker_mode import forward_media_refs
 from mmgate.budget import InflightBudget
 from mmgate.cache import PixelCache
 from mmgate.chat.tokenizer import load_tokenizer
-from mmgate.engines.vllm import build_generate_request
+from mmgate.engines.vllm import encode_generate_request
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.fetch import MediaFetcher
 from mmgate.models.bundle import resolve_bundle
@@ -163,9 +163,9 @@ def create_app(state: GatewayState) -> FastAPI:
             with metrics.stage("assemble", timings):
                 if prepared.batches:
                     msg = await asyncio.get_running_loop().run_in_executor(
-                        state.executor, build_generate_request, prepared, wire, lease)
+                        state.executor, encode_generate_request, prepared, wire, lease)
                 else:
-                    msg = build_generate_request(prepared, wire, lease)
+                    msg = encode_generate_request(prepared, wire, lease)
             metrics.PROMPT_TOKENS.inc(len(prepared.input_ids))
             assert worker.client is not None
             responses = worker.client.generate(msg)

@@ -15,14 +15,16 @@ gRPC status -> error code: UNAVAILABLE / DEADLINE_EXCEEDED / RESOURCE_EXHAUSTED
 -> ``engine_unavailable`` (503, retryable); INVALID_ARGUMENT /
 FAILED_PRECONDITION / OUT_OF_RANGE -> ``engine_rejected`` (400, with the
 engine's message, e.g. the model's placeholder/feature mismatch); anything
-else -> ``engine_error`` (502).
+else -> ``engine_error`` (502).  An mmgate code the engine carries in the
+details (``[code=media_fetch_timeout item=0] ...``, worker-side media
+processing) wins when it agrees with the status (:func:`parse_carried_error`).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -155,13 +157,8 @@ def build_mm_inputs(batch: EncoderBatch, wire: WirePlan = INLINE_FLOAT32,
     return mm
 
 
-def build_generate_request(req: PreparedRequest, wire: WirePlan = INLINE_FLOAT32,
-                           lease: ShmLease | None = None) -> vllm_engine_pb2.GenerateRequest:
-    """The ``GenerateRequest`` for a prepared request (expanded ids, sampling, media).
-
-    Shared-memory segments it creates are recorded in ``lease``; the caller
-    releases the lease when the engine has answered or the request ended.
-    """
+def _build(req: PreparedRequest, wire: WirePlan, lease: ShmLease | None,
+           defer_primary: bool) -> tuple[vllm_engine_pb2.GenerateRequest, np.ndarray | None]:
     s = req.sampling
     sampling = vllm_engine_pb2.SamplingParams(
         top_p=s.top_p, top_k=s.top_k, frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
@@ -180,13 +177,78 @@ def build_generate_request(req: PreparedRequest, wire: WirePlan = INLINE_FLOAT32
         sampling_params=sampling,
         stream=req.stream,
     )
+    deferred: np.ndarray | None = None
     for i, batch in enumerate(req.batches):
+        if i == 0 and defer_primary and PRIMARY_KEY in batch.tensors:
+            primary, dtype_name = convert_encoder_input(batch.tensors[PRIMARY_KEY], wire.encoder_dtype)
+            if not (lease is not None and wire.use_shm(primary.nbytes)):
+                # Sent inline: serialize everything else now, append these bytes once at the end.
+                rest = EncoderBatch(
+                    modality=batch.modality, tensors={k: v for k, v in batch.tensors.items() if k != PRIMARY_KEY},
+                    batched_keys=batch.batched_keys, flat_keys=batch.flat_keys,
+                    keep_on_cpu_keys=batch.keep_on_cpu_keys, placeholder_token_id=batch.placeholder_token_id,
+                    placeholders=batch.placeholders, mm_hashes=batch.mm_hashes)
+                mm = build_mm_inputs(rest, wire, lease)
+                mm.pixel_values.CopyFrom(vllm_engine_pb2.TensorData(
+                    shape=list(primary.shape), dtype=dtype_name or wire_dtype_name(primary)))
+                msg.mm_inputs.CopyFrom(mm)
+                deferred = np.ascontiguousarray(primary)
+                metrics.MM_TENSORS.labels(ENGINE, "inline").inc()
+                metrics.MM_TENSOR_BYTES.labels(ENGINE, "inline").inc(deferred.nbytes)
+                continue
         mm = build_mm_inputs(batch, wire, lease)
         if i == 0:
             msg.mm_inputs.CopyFrom(mm)
         else:
             msg.extra_mm_inputs.append(mm)
-    return msg
+    return msg, deferred
+
+
+def build_generate_request(req: PreparedRequest, wire: WirePlan = INLINE_FLOAT32,
+                           lease: ShmLease | None = None) -> vllm_engine_pb2.GenerateRequest:
+    """The ``GenerateRequest`` for a prepared request (expanded ids, sampling, media).
+
+    Shared-memory segments it creates are recorded in ``lease``; the caller
+    releases the lease when the engine has answered or the request ended.
+    """
+    return _build(req, wire, lease, defer_primary=False)[0]
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+# Field tags (field number << 3 | wire type 2): GenerateRequest.mm_inputs = 7,
+# MultimodalInputs.pixel_values = 2, TensorData.inline = 1.
+_TAG_MM_INPUTS, _TAG_PIXEL_VALUES, _TAG_INLINE = b"\x3a", b"\x12", b"\x0a"
+
+
+def encode_generate_request(req: PreparedRequest, wire: WirePlan = INLINE_FLOAT32,
+                            lease: ShmLease | None = None) -> bytes:
+    """The serialized ``GenerateRequest``, with the large inline tensor copied exactly once.
+
+    Everything but the first batch's inline ``pixel_values`` bytes is
+    serialized by protobuf; those bytes are appended as one more
+    ``mm_inputs { pixel_values { inline } }`` record.  Protobuf merges repeated
+    occurrences of a singular message field, so the parsed message equals
+    ``build_generate_request(...)`` (tested), while the payload skips the
+    message-object copies.
+    """
+    msg, deferred = _build(req, wire, lease, defer_primary=True)
+    head = msg.SerializeToString()
+    if deferred is None:
+        return head
+    data = deferred.reshape(-1).view(np.uint8).data
+    l1 = len(data)
+    l2 = 1 + len(_varint(l1)) + l1
+    l3 = 1 + len(_varint(l2)) + l2
+    return b"".join((head, _TAG_MM_INPUTS, _varint(l3), _TAG_PIXEL_VALUES, _varint(l2), _TAG_INLINE, _varint(l1),
+                     data))
 
 
 def build_media_ref_request(req: PreparedRequest, refs: Sequence[MediaRef]) -> vllm_engine_pb2.GenerateRequest:
@@ -221,6 +283,10 @@ class VllmWorkerClient:
         self.target = target
         self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = vllm_engine_pb2_grpc.VllmEngineStub(self._channel)
+        # Generate taking pre-serialized bytes (see encode_generate_request).
+        self._generate_raw = self._channel.unary_stream(
+            "/vllm.grpc.engine.VllmEngine/Generate", request_serializer=None,
+            response_deserializer=vllm_engine_pb2.GenerateResponse.FromString)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -257,14 +323,17 @@ class VllmWorkerClient:
                           max_context_length=model.max_context_length,
                           eos_token_ids=tuple(int(t) for t in model.eos_token_ids), labels=labels)
 
-    async def generate(self, msg: vllm_engine_pb2.GenerateRequest,
-                       timeout_s: float | None = None) -> AsyncIterator[vllm_engine_pb2.GenerateResponse]:
+    async def generate(self, msg: vllm_engine_pb2.GenerateRequest | bytes,
+                       timeout_s: float | None = None) -> AsyncGenerator[vllm_engine_pb2.GenerateResponse, None]:
         """Stream the engine's responses; cancels the RPC if the consumer stops early.
+
+        ``msg`` is a message, or its serialized bytes (``encode_generate_request``).
 
         Raises:
             GatewayError: mapped from the RPC status (see module docstring).
         """
-        call = self._stub.Generate(msg, timeout=timeout_s)
+        call = (self._generate_raw(msg, timeout=timeout_s) if isinstance(msg, bytes)
+                else self._stub.Generate(msg, timeout=timeout_s))
         try:
             async for resp in call:
                 yield resp

@@ -34,8 +34,10 @@ from mmgate.chat.tokenizer import BundleTokenizer
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.models import geometry
 from mmgate.models.bundle import ModelBundle
+from mmgate.models.qwen_vl_video import QwenVLVideo, long_side_bound, video_config, video_params
 from mmgate.settings import ImageBackend
-from mmgate.types import DecodedImage, EncoderBatch, ItemPlan, Modality, Replacement
+from mmgate.types import (DecodedImage, DecodedVideo, EncoderBatch, ItemHints, ItemPlan, Modality, Replacement,
+                          VideoMeta, VideoPlan)
 
 # transformers 5.24 Qwen2VLImageProcessor class attributes
 _DEFAULT_MIN_PIXELS = 56 * 56
@@ -97,18 +99,27 @@ def image_params_from_config(cfg: Mapping[str, Any]) -> QwenVLImageParams:
 
 
 class QwenVLFamily:
-    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL images (see module docstring)."""
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL images and videos (see module docstring).
+
+    Video planning, preprocessing and prompt layout live in
+    :mod:`mmgate.models.qwen_vl_video`; ``video`` is None (and ``limits`` has no
+    video entry) when the bundle lacks the video tokens or PyAV is missing.
+    """
 
     model_types = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-    limits: Mapping[Modality, int] = {Modality.IMAGE: 16}
+    limits: Mapping[Modality, int] = {Modality.IMAGE: 16, Modality.VIDEO: 4}
     image_token = "<|image_pad|>"
+    video_tokens = ("<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
 
     def __init__(self, model_type: str, image: QwenVLImageParams, image_token_id: int,
-                 backend: ImageBackend) -> None:
+                 backend: ImageBackend, video: QwenVLVideo | None = None) -> None:
         self.model_type = model_type
         self.image = image
         self.image_token_id = image_token_id
         self.backend = backend
+        self.video = video
+        if video is None:
+            self.limits = {Modality.IMAGE: QwenVLFamily.limits[Modality.IMAGE]}
         self._lut = geometry.normalize_lut(backend, image.rescale_factor, image.image_mean, image.image_std,
                                            image.do_rescale, image.do_normalize)
 
@@ -120,7 +131,29 @@ class QwenVLFamily:
         config_id = bundle.config.get("image_token_id")
         if token_id is None or (config_id is not None and int(config_id) != token_id):
             raise GatewayError(ErrorCode.INTERNAL_ERROR, f"bundle {bundle.name!r}: <|image_pad|> id disagrees with config")
-        return cls(bundle.model_type, image_params_from_config(cfg), token_id, backend)
+        return cls(bundle.model_type, image_params_from_config(cfg), token_id, backend,
+                   cls._video_from_bundle(bundle, tokenizer))
+
+    @classmethod
+    def _video_from_bundle(cls, bundle: ModelBundle, tokenizer: BundleTokenizer) -> QwenVLVideo | None:
+        """The video side: the reference video processor is torchvision-only, so its backend is
+        torchvision whenever importable, whatever the image backend (docs/video.md)."""
+        from mmgate.media.video import av_available
+
+        ids = {t: tokenizer.token_id(t) for t in cls.video_tokens}
+        if not av_available() or any(v is None for v in ids.values()):
+            return None
+        config_id = bundle.config.get("video_token_id")
+        if config_id is not None and int(config_id) != ids["<|video_pad|>"]:
+            raise GatewayError(ErrorCode.INTERNAL_ERROR, f"bundle {bundle.name!r}: <|video_pad|> id disagrees with config")
+        cfg = video_config(bundle.processor_config, bundle.video_preprocessor_config, bundle.preprocessor_config)
+
+        def encode(text: str) -> list[int]:
+            return list(tokenizer.tokenizer.encode(text, add_special_tokens=False).ids)
+
+        return QwenVLVideo(bundle.model_type, video_params(bundle.model_type, cfg),
+                           {k: int(v) for k, v in ids.items() if v is not None}, encode,
+                           geometry.resolve_backend(ImageBackend.AUTO))
 
     @property
     def fingerprint(self) -> str:
@@ -130,15 +163,39 @@ class QwenVLFamily:
     def anchor_token_id(self, modality: Modality) -> int:
         if modality is Modality.IMAGE:
             return self.image_token_id
+        if modality is Modality.VIDEO and self.video is not None:
+            return self.video.video_token_id
         raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED, f"{self.model_type} does not take {modality.value} input here")
 
-    def plan(self, modality: Modality, height: int, width: int) -> ItemPlan:
+    def check_hints(self, modality: Modality, hints: ItemHints, param: str) -> None:
+        """Model-dependent hint checks, before any fetch.
+
+        Raises:
+            GatewayError(INVALID_REQUEST): ``max_long_side_pixel`` not a multiple of the resize factor.
+        """
+        if modality is Modality.VIDEO and self.video is not None:
+            self.video.check_hints(hints, param)
+        elif hints.max_long_side_pixel is not None and hints.max_long_side_pixel % self.image.factor:
+            raise GatewayError(ErrorCode.INVALID_REQUEST,
+                               f"max_long_side_pixel must be a positive multiple of {self.image.factor}",
+                               param + ".max_long_side_pixel")
+
+    def image_max_pixels(self, height: int, width: int, hints: ItemHints | None) -> int:
+        """``size["longest_edge"]`` for one image: the config's, or a ``max_long_side_pixel`` hint's bound."""
+        p = self.image
+        if hints is None or hints.max_long_side_pixel is None or not p.do_resize:
+            return p.max_pixels
+        return long_side_bound(lambda bound: geometry.smart_resize(height, width, p.factor, p.min_pixels, bound),
+                               height, width, hints.max_long_side_pixel, p.max_pixels)
+
+    def plan(self, modality: Modality, height: int, width: int, hints: ItemHints | None = None) -> ItemPlan:
         """Geometry of one image from its size (``smart_resize`` + grid)."""
         if modality is not Modality.IMAGE:
             self.anchor_token_id(modality)
         p = self.image
         if p.do_resize:
-            rh, rw = geometry.smart_resize(height, width, p.factor, p.min_pixels, p.max_pixels)
+            rh, rw = geometry.smart_resize(height, width, p.factor, p.min_pixels,
+                                           self.image_max_pixels(height, width, hints))
         else:
             rh, rw = height, width
             if rh % p.factor or rw % p.factor:
@@ -184,3 +241,29 @@ class QwenVLFamily:
         """The pad run replacing one ``<|image_pad|>`` anchor."""
         return Replacement(token_ids=(self.image_token_id,) * plan.num_tokens, embed_offset=0,
                            embed_length=plan.num_tokens)
+
+    # -- video (mmgate.models.qwen_vl_video) ------------------------------------------------
+
+    def _video(self) -> QwenVLVideo:
+        if self.video is None:
+            raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED, f"{self.model_type} does not take video input here")
+        return self.video
+
+    @property
+    def video_fingerprint(self) -> str:
+        return self._video().fingerprint
+
+    def sample_video(self, meta: VideoMeta, hints: ItemHints) -> list[int]:
+        return self._video().sample(meta, hints)
+
+    def plan_video(self, video: DecodedVideo, hints: ItemHints) -> VideoPlan:
+        return self._video().plan(video, hints)
+
+    def preprocess_video(self, video: DecodedVideo, plan: VideoPlan, raw: bool = False) -> np.ndarray:
+        return self._video().preprocess(video, plan, raw)
+
+    def assemble_video(self, rows: Sequence[np.ndarray], plans: Sequence[VideoPlan]) -> EncoderBatch:
+        return self._video().assemble(rows, plans)
+
+    def expand_video(self, plan: VideoPlan) -> Replacement:
+        return self._video().expand(plan)

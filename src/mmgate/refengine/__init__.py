@@ -14,6 +14,9 @@ Modules, in request order:
   mm_inputs.py  GenerateRequest -> ModelInputs (forward kwargs, as the vLLM servicer builds them).
   sampling.py   SamplingParams -> GenerationPlan.
   generation.py model.generate with streaming, stop rules, cancel.
+  mm_config.py  --mm-processor off|inprocess|redis and the shared processing flags.
+  mm_processor.py  worker-side media processing of media_refs (in process, or via the Redis sidecar).
+  recording.py  --record-dir: each request's final model inputs as .npz (debug).
   servicer.py   the gRPC servicer.
   server.py     start_engine / serve / main.
 

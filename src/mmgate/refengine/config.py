@@ -9,8 +9,12 @@ or the environment.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from mmgate.refengine.mm_config import MmProcessorConfig, add_mm_arguments, mm_config
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +32,8 @@ class EngineConfig:
     rpc_workers: int = 8  # gRPC handler threads (HealthCheck stays answerable while generating)
     device_normalize: bool = False  # take raw uint8 pixels and rescale+normalize here (mm_device_do_normalize)
     encoder_dtype: str = "float32"  # advertised multimodal_encoder_dtype label
+    mm: MmProcessorConfig = field(default_factory=MmProcessorConfig)  # worker-side media processing
+    record_dir: Path | None = None  # debug: write each request's final model inputs here (.npz)
 
     @property
     def model_name(self) -> str:
@@ -52,11 +58,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         help="advertise mm_device_do_normalize: take uint8 pixels and normalize them here")
     parser.add_argument("--multimodal-encoder-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                         help="advertised encoder input dtype (the gateway converts float tensors to it)")
+    parser.add_argument("--record-dir", type=Path, default=None,
+                        help="debug: write each request's final input_ids and model tensors to DIR/<request_id>.npz")
+    add_mm_arguments(parser)
     return parser
 
 
-def parse_args(argv: list[str] | None) -> EngineConfig:
-    """Parse ``argv`` (``None`` = ``sys.argv[1:]``) into an :class:`EngineConfig`.
+def parse_args(argv: list[str] | None, environ: Mapping[str, str] | None = None) -> EngineConfig:
+    """Parse ``argv`` (``None`` = ``sys.argv[1:]``) and ``environ`` (``None`` = ``os.environ``;
+    only the media-processor settings have environment fallbacks) into an :class:`EngineConfig`.
 
     Raises:
         SystemExit: bad arguments (argparse prints the usage).
@@ -77,4 +87,6 @@ def parse_args(argv: list[str] | None) -> EngineConfig:
         num_threads=ns.num_threads,
         device_normalize=ns.mm_device_do_normalize,
         encoder_dtype=ns.multimodal_encoder_dtype,
+        mm=mm_config(ns, parser, os.environ if environ is None else environ),
+        record_dir=ns.record_dir,
     )

@@ -19,6 +19,9 @@ reason as details: the engine's own checks (:class:`GatewayError`) and any
 ``ValueError`` / ``TypeError`` / ``IndexError`` / ``RuntimeError`` the model
 code raises on the request's inputs, message unchanged.  Anything else is
 ``INTERNAL`` and logged with its traceback; the server keeps serving.
+Worker-side media processing (``media_refs``, :mod:`.mm_processor`) keeps the
+cause instead: INVALID_ARGUMENT or UNAVAILABLE with the mmgate error code
+carried in the details.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ from mmgate.refengine.config import EngineConfig
 from mmgate.refengine.generation import GenerationResult, run_generation
 from mmgate.refengine.device_normalize import DeviceNormalizer
 from mmgate.refengine.mm_inputs import ModelInputs, build_model_inputs
+from mmgate.refengine.mm_processor import WorkerMedia, media_rpc_status
+from mmgate.refengine.recording import RequestRecorder
 from mmgate.transport.shm import shm_namespace_id
 from mmgate.refengine.sampling import GenerationPlan, plan_generation
 
@@ -54,6 +59,9 @@ _DONE = object()
 
 def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status and details a failed request ends with."""
+    media = media_rpc_status(exc)  # worker-side media processing: cause kept, code carried
+    if media is not None:
+        return media
     if isinstance(exc, GatewayError):
         caller_fault = ERROR_TABLE[exc.code].status < 500
         return (grpc.StatusCode.INVALID_ARGUMENT if caller_fault else grpc.StatusCode.INTERNAL), exc.message
@@ -70,6 +78,8 @@ class RefEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._loaded = loaded
         self._normalizer = DeviceNormalizer.from_bundle(config.model) if config.device_normalize else None
         self._tokenizer = LazyTokenizer(config.model)
+        self._media = WorkerMedia(config.mm, config.model)
+        self._recorder = RequestRecorder(config.record_dir) if config.record_dir is not None else None
         self._executor = ThreadPoolExecutor(max_workers=config.model_workers, thread_name_prefix="refengine-model")
         self._lock = threading.Lock()
         self._active: dict[str, threading.Event] = {}  # request id -> cancel flag
@@ -83,6 +93,7 @@ class RefEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             for flag in self._active.values():
                 flag.set()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._media.close()
 
     # ---- Generate ---------------------------------------------------------------
 
@@ -115,7 +126,10 @@ class RefEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self, request: vllm_engine_pb2.GenerateRequest, context: grpc.ServicerContext, cancelled: threading.Event
     ) -> Iterator[vllm_engine_pb2.GenerateResponse]:
         try:
+            request = self._media.resolve(request, context.time_remaining())
             inputs = build_model_inputs(request, self._loaded, self._tokenizer, self._normalizer)
+            if self._recorder is not None:
+                self._recorder.record(request.request_id, inputs)
             plan = plan_generation(
                 request.sampling_params, self._loaded.facts, inputs.prompt_len, self._config.max_tokens_default
             )
@@ -229,6 +243,7 @@ class RefEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     ) -> vllm_engine_pb2.GetServerInfoResponse:
         with self._lock:
             active = len(self._active)
+        mm_processor, mm_source, mm_schemes = self._media.labels()
         return vllm_engine_pb2.GetServerInfoResponse(
             active_requests=active,
             is_paused=False,
@@ -239,7 +254,9 @@ class RefEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             shm_namespace_id=shm_namespace_id(),
             mm_device_do_normalize=self._config.device_normalize,
             model_dtype="torch.float32",
-            mm_processor="",
+            mm_processor=mm_processor,
+            mm_processor_source=mm_source,
+            mm_media_ref_schemes=mm_schemes,
             mm_item_limits="",
             multimodal_encoder_dtype=self._config.encoder_dtype,
             max_num_seqs=self._config.model_workers,

@@ -70,13 +70,13 @@ def write_segment(array: np.ndarray) -> str:
         ShmError: the segment could not be created or fully written (the partial
             segment is removed).
     """
-    data = memoryview(np.ascontiguousarray(array)).cast("B")
+    data = np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
     name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
     path = os.path.join(SHM_DIR, name)
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
     except OSError as exc:
-        raise ShmError(f"cannot create segment ({errno.errorcode.get(exc.errno, exc.errno)})") from None
+        raise ShmError(f"cannot create segment ({errno.errorcode.get(exc.errno or 0, exc.errno)})") from None
     try:
         written = 0
         total = len(data)
