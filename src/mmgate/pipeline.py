@@ -30,8 +30,14 @@ from typing import Any
 import numpy as np
 
 from mmgate import metrics
+from mmgate.api.protocol import (
+    AudioPart,
+    ChatCompletionRequest,
+    ImagePart,
+    TextPart,
+    VideoPart,
+)
 from mmgate.cache import PixelCache
-from mmgate.api.protocol import AudioPart, ChatCompletionRequest, ImagePart, TextPart, VideoPart
 from mmgate.chat.template import render_chat
 from mmgate.chat.tokenizer import BundleTokenizer
 from mmgate.errors import ErrorCode, GatewayError
@@ -274,9 +280,9 @@ class Pipeline:
             with metrics.stage("fetch_decode", timings):
                 decoded, clips = await _all_or_none(self._fetch_decode(images), self._fetch_decode_videos(family, videos))
             with metrics.stage("preprocess", timings):
-                image_plans = tuple(family.plan(Modality.IMAGE, im.height, im.width, r.hints)
+                image_plans = tuple(_at(r, family.plan, Modality.IMAGE, im.height, im.width, r.hints)
                                     for im, r in zip(decoded, images))
-                video_plans = tuple(family.plan_video(clip, r.hints) for clip, r in zip(clips, videos))
+                video_plans = tuple(_at(r, family.plan_video, clip, r.hints) for clip, r in zip(clips, videos))
                 raw = choose_worker(modalities) if choose_worker is not None else False
                 image_batch, video_batch = await _all_or_none(
                     self._preprocess(family, decoded, images, image_plans, raw),
@@ -408,6 +414,14 @@ async def _all_or_none(*aws: Awaitable[Any]) -> list[Any]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+def _at(ref: MediaRef, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, its refusal naming ``ref``'s content part."""
+    try:
+        return fn(*args)
+    except GatewayError as exc:
+        raise GatewayError(exc.code, exc.message, exc.param or ref.param) from None
 
 
 def _with_items(batch: EncoderBatch | None, hashes: tuple[str, ...], ranges: Sequence[PlaceholderRange]) -> EncoderBatch:

@@ -36,7 +36,12 @@ import httpcore
 import httpx
 
 from mmgate.errors import ErrorCode, GatewayError
-from mmgate.media.addresses import Resolver, is_public_address, numeric_host, system_resolver
+from mmgate.media.addresses import (
+    Resolver,
+    is_public_address,
+    numeric_host,
+    system_resolver,
+)
 from mmgate.media.connect import PIN_EXTENSION, Pin, PinnedTransport
 from mmgate.media.data_url import decode_data_url
 from mmgate.settings import FetchSettings
@@ -149,7 +154,7 @@ class MediaFetcher:
         target = parse_http_url(url, param)
         try:
             return await asyncio.wait_for(self._fetch_http(target, max_bytes, param), self.settings.total_timeout_s)
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             raise GatewayError(ErrorCode.MEDIA_FETCH_TIMEOUT, "media fetch timed out", param) from None
 
     def _host_allowed(self, host: str) -> bool:

@@ -34,10 +34,24 @@ from mmgate.chat.tokenizer import BundleTokenizer
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.models import geometry
 from mmgate.models.bundle import ModelBundle
-from mmgate.models.qwen_vl_video import QwenVLVideo, long_side_bound, video_config, video_params
+from mmgate.models.qwen_vl_video import (
+    QwenVLVideo,
+    long_side_bound,
+    video_config,
+    video_params,
+)
 from mmgate.settings import ImageBackend
-from mmgate.types import (DecodedImage, DecodedVideo, EncoderBatch, ItemHints, ItemPlan, Modality, Replacement,
-                          VideoMeta, VideoPlan)
+from mmgate.types import (
+    DecodedImage,
+    DecodedVideo,
+    EncoderBatch,
+    ItemHints,
+    ItemPlan,
+    Modality,
+    Replacement,
+    VideoMeta,
+    VideoPlan,
+)
 
 # transformers 5.24 Qwen2VLImageProcessor class attributes
 _DEFAULT_MIN_PIXELS = 56 * 56

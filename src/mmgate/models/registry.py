@@ -17,8 +17,17 @@ from mmgate.chat.tokenizer import BundleTokenizer
 from mmgate.models.bundle import ModelBundle
 from mmgate.models.qwen_vl import QwenVLFamily
 from mmgate.settings import ImageBackend
-from mmgate.types import (DecodedImage, DecodedVideo, EncoderBatch, ItemHints, ItemPlan, Modality, Replacement,
-                          VideoMeta, VideoPlan)
+from mmgate.types import (
+    DecodedImage,
+    DecodedVideo,
+    EncoderBatch,
+    ItemHints,
+    ItemPlan,
+    Modality,
+    Replacement,
+    VideoMeta,
+    VideoPlan,
+)
 
 
 class Family(Protocol):

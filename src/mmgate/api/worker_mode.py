@@ -1,0 +1,103 @@
+"""The worker-side processing path of ``POST /v1/chat/completions``.
+
+Stage: plan -> render+tokenize -> forward checks -> select worker -> engine,
+taken when :func:`mmgate.routing.mm_processing.decide_request` says
+``worker``.  In: the parsed chat request; out: the HTTP response.
+
+Nothing is fetched here.  The engine message carries the *unexpanded* prompt
+(one anchor per item) and the media URLs in prompt order
+(``GenerateRequest.media_refs``); the worker fetches, preprocesses and
+expands.  Refusals before sending: every planning refusal, the anchor count,
+``media_ref_too_large`` (an inline ``data:`` URL above its modality's cap),
+``no_healthy_worker`` (no capable worker, 503) and
+``unsupported_media_url_scheme`` (a scheme the worker does not fetch).  A
+media error the worker reports comes back with its own code and status
+(``engines.vllm.parse_carried_error``) and the content part it concerns as
+``param``.  ``usage.prompt_tokens`` is the engine's count after expansion.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from mmgate import metrics
+from mmgate.api.protocol import ChatCompletionRequest
+from mmgate.api.responses import completion_body, sse_stream
+from mmgate.engines.vllm import build_media_ref_request
+from mmgate.errors import GatewayError
+from mmgate.routing.mm_processing import check_anchor_counts, check_ref_sizes, select_processing_worker
+from mmgate.types import MediaRef, PreparedRequest
+
+if TYPE_CHECKING:
+    from mmgate.api.app import GatewayState
+
+
+def with_part_param(exc: GatewayError, refs: Sequence[MediaRef]) -> GatewayError:
+    """``param = "media_refs[i]"`` (as the engine names an item) -> the request's content part."""
+    param = exc.param or ""
+    if param.startswith("media_refs[") and param.endswith("]") and param[11:-1].isdigit():
+        index = int(param[11:-1])
+        if index < len(refs):
+            return GatewayError(exc.code, exc.message, refs[index].param)
+    return exc
+
+
+async def forward_media_refs(state: GatewayState, req: ChatCompletionRequest) -> Response:
+    """Send ``req`` to a worker that processes its media itself (see the module docstring)."""
+    timings: dict[str, float] = {}
+    pipeline = state.pipeline
+    plan, prompt, ids = pipeline.render_prompt(req, timings)
+    refs = plan.media
+    with metrics.stage("forward_checks", timings):
+        check_anchor_counts(ids, refs, state.runtime.family)
+        check_ref_sizes(refs, state.settings.fetch)
+        worker = select_processing_worker(state.workers, refs)
+    prepared = PreparedRequest(
+        request_id=f"chatcmpl-{uuid.uuid4().hex}", model=state.runtime.served_name, prompt_text=prompt,
+        input_ids=tuple(ids), batches=(), sampling=pipeline._sampling(req), stream=req.stream, timings_ms=timings)
+    with metrics.stage("assemble", timings):
+        msg = build_media_ref_request(prepared, refs)
+    worker.in_flight += 1
+    metrics.ACTIVE_REQUESTS.inc()
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            worker.in_flight -= 1
+            metrics.ACTIVE_REQUESTS.dec()
+
+    assert worker.client is not None
+    responses = worker.client.generate(msg)
+    try:
+        start = time.perf_counter()
+        first = await anext(responses)
+        timings["engine_first_response"] = (time.perf_counter() - start) * 1000.0
+    except GatewayError as exc:
+        release()
+        await responses.aclose()
+        raise with_part_param(exc, refs) from None
+    except BaseException:
+        release()
+        await responses.aclose()
+        raise
+    kind = first.WhichOneof("response")
+    metrics.PROMPT_TOKENS.inc(first.chunk.prompt_tokens if kind == "chunk" else first.complete.prompt_tokens)
+    headers = {"X-Mmgate-Stage-Ms": ",".join(f"{k}={v:.2f}" for k, v in timings.items()),
+               "X-Request-Id": prepared.request_id, "X-Mmgate-Mm-Processing": "worker"}
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        body = sse_stream(prepared, first, responses, state.runtime.tokenizer, include_usage, release)
+        return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+    try:
+        body_json = await completion_body(prepared, first, responses, state.runtime.tokenizer)
+    finally:
+        release()
+        await responses.aclose()
+    return JSONResponse(body_json, headers=headers)

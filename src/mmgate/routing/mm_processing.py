@@ -1,0 +1,223 @@
+"""Where a request's media is processed: here (router) or on the worker (worker).
+
+Stage: right after parsing, before planning.  In: the chat request, the
+``--mm-processing`` setting and every registered worker of the model; out: a
+:class:`Decision` (mode + reason), counted in
+``smg_mm_processing_total{model,mode,reason}``.  docs/media-processing.md
+holds the table; the first row that applies wins:
+
+1. ``--mm-processing router``                         -> router, ``config``
+2. model not opted in (``--mm-processing-models``)     -> router, ``model_not_opted_in``
+3. a media part not forwardable (audio, or a hint)     -> router, ``plan_not_forwardable``
+4. ``--mm-processing worker``                         -> worker, ``config``
+5. auto, no registered worker advertises a processor  -> router, ``auto_none``
+6. auto, every registered worker advertises one       -> worker, ``auto_uniform``
+7. auto, some do and some do not                      -> router, ``auto_mixed``
+
+Auto looks at every *registered* worker, healthy or not (labels survive a
+failed health check), so a health flap never moves a model between modes.
+Requests without media are not decided (nothing to process) and not counted.
+
+The worker path's own checks live here too: an inline ``data:`` URL above the
+modality's byte cap is ``media_ref_too_large`` (400) before anything is sent;
+only a healthy worker that advertises ``mm_processor`` gets references
+(``no_healthy_worker`` 503 when none), and only for URL schemes listed in its
+``mm_media_ref_schemes`` label (``unsupported_media_url_scheme`` 400).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+import msgspec
+
+from mmgate import metrics
+from mmgate.api.protocol import ChatCompletionRequest, ImagePart, TextPart, VideoPart
+from mmgate.errors import ErrorCode, GatewayError
+from mmgate.media.fetch import url_scheme
+from mmgate.models.registry import Family
+from mmgate.pipeline import ModelRuntime
+from mmgate.routing.workers import Worker, WorkerRegistry
+from mmgate.settings import FetchSettings, MmProcessing, Settings
+from mmgate.types import MediaRef, Modality
+
+PROCESSOR_LABEL = "mm_processor"
+SCHEMES_LABEL = "mm_media_ref_schemes"
+#: fields of a media part that are not per-item processing hints (``detail`` is ignored by both paths)
+_NOT_HINTS = frozenset({"url", "detail"})
+
+
+class Mode(StrEnum):
+    ROUTER = "router"  # the gateway fetches, preprocesses and expands
+    WORKER = "worker"  # the worker gets the unexpanded prompt and media references
+
+
+class Reason(StrEnum):
+    CONFIG = "config"
+    MODEL_NOT_OPTED_IN = "model_not_opted_in"
+    PLAN_NOT_FORWARDABLE = "plan_not_forwardable"
+    AUTO_NONE = "auto_none"
+    AUTO_UNIFORM = "auto_uniform"
+    AUTO_MIXED = "auto_mixed"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    mode: Mode
+    reason: Reason
+
+
+def struct_hints(obj: msgspec.Struct) -> list[str]:
+    """Names of the fields of a media part (recursively) set away from their defaults.
+
+    Any such field is a per-item hint (``max_long_side_pixel``, ``fps``, ...)
+    that the worker's processor would not see; ``url`` and ``detail`` are not hints.
+    """
+    hints: list[str] = []
+    names = type(obj).__struct_fields__
+    defaults = type(obj).__struct_defaults__  # defaults of the trailing fields (no annotation evaluation)
+    first_default = len(names) - len(defaults)
+    for i, name in enumerate(names):
+        value = getattr(obj, name)
+        if isinstance(value, msgspec.Struct):
+            hints.extend(f"{name}.{h}" for h in struct_hints(value))
+            continue
+        if name in _NOT_HINTS or i < first_default:
+            continue
+        default = defaults[i - first_default]
+        factory = getattr(default, "factory", None)  # msgspec's default_factory marker
+        if value != (factory() if callable(factory) else default):
+            hints.append(name)
+    return hints
+
+
+def media_parts(req: ChatCompletionRequest) -> list[msgspec.Struct]:
+    """Every non-text content part, in prompt order."""
+    return [part for m in req.messages if isinstance(m.content, list) for part in m.content
+            if not isinstance(part, TextPart)]
+
+
+def forwardable(parts: Iterable[msgspec.Struct]) -> bool:
+    """Every media part is an image_url or video_url without hints (audio is never forwarded)."""
+    return all(isinstance(p, (ImagePart, VideoPart)) and not struct_hints(p) for p in parts)
+
+
+def model_opted_in(models: tuple[str, ...] | None, runtime: ModelRuntime) -> bool:
+    """``--mm-processing-models`` unset: every model; else the served or bundle name must be listed (``*``: all)."""
+    if models is None:
+        return True
+    return "*" in models or runtime.served_name in models or runtime.bundle.name in models
+
+
+def advertises_processor(worker: Worker) -> bool:
+    """Whether the worker said (GetServerInfo ``mm_processor``) that it processes media references."""
+    return bool(worker.labels.get(PROCESSOR_LABEL, ""))
+
+
+def decide(setting: MmProcessing, opted_in: bool, parts_forwardable: bool, workers: Sequence[Worker]) -> Decision:
+    """The decision table of the module docstring (pure)."""
+    if setting is MmProcessing.ROUTER:
+        return Decision(Mode.ROUTER, Reason.CONFIG)
+    if not opted_in:
+        return Decision(Mode.ROUTER, Reason.MODEL_NOT_OPTED_IN)
+    if not parts_forwardable:
+        return Decision(Mode.ROUTER, Reason.PLAN_NOT_FORWARDABLE)
+    if setting is MmProcessing.WORKER:
+        return Decision(Mode.WORKER, Reason.CONFIG)
+    capable = sum(1 for w in workers if advertises_processor(w))
+    if capable == 0:
+        return Decision(Mode.ROUTER, Reason.AUTO_NONE)
+    if capable == len(workers):
+        return Decision(Mode.WORKER, Reason.AUTO_UNIFORM)
+    return Decision(Mode.ROUTER, Reason.AUTO_MIXED)
+
+
+def decide_request(req: ChatCompletionRequest, settings: Settings, runtime: ModelRuntime,
+                   workers: Sequence[Worker]) -> Decision | None:
+    """Decide (and count) where ``req``'s media is processed; None for a request without media."""
+    parts = media_parts(req)
+    if not parts:
+        return None
+    decision = decide(settings.mm_processing, model_opted_in(settings.mm_processing_models, runtime),
+                      forwardable(parts), workers)
+    metrics.MM_PROCESSING.labels(runtime.served_name, decision.mode.value, decision.reason.value).inc()
+    return decision
+
+
+def data_url_bytes(url: str) -> int | None:
+    """Decoded size of a ``data:`` URL's payload, computed without decoding it; None for other URLs."""
+    if url_scheme(url) != "data":
+        return None
+    header, _, payload = url.partition(",")
+    if "base64" in [p.strip().lower() for p in header.split(";")[1:]]:
+        chars = len(payload) - sum(payload.count(c) for c in " \t\r\n\f\v") - payload.count("=")
+        return chars * 3 // 4
+    return len(payload) - 2 * payload.count("%")
+
+
+def check_ref_sizes(refs: Sequence[MediaRef], fetch: FetchSettings) -> None:
+    """Refuse an inline ``data:`` URL larger than its modality's byte cap.
+
+    Raises:
+        GatewayError(MEDIA_REF_TOO_LARGE): 400, naming the part.
+    """
+    for ref in refs:
+        size = data_url_bytes(ref.url)
+        cap = fetch.max_input_bytes(ref.modality.value)
+        if size is not None and size > cap:
+            raise GatewayError(ErrorCode.MEDIA_REF_TOO_LARGE,
+                               f"inline {ref.modality.value} payload of {size} bytes exceeds the {cap}-byte cap",
+                               ref.param)
+
+
+def check_anchor_counts(ids: Sequence[int], refs: Sequence[MediaRef], family: Family | None) -> None:
+    """One anchor token per item of each modality, before anything is forwarded.
+
+    Raises:
+        GatewayError(MEDIA_COUNT_MISMATCH | MULTIMODAL_NOT_SUPPORTED)
+    """
+    if family is None:
+        raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED, "this model takes no media input", refs[0].param)
+    for modality in (Modality.IMAGE, Modality.VIDEO):
+        if modality not in family.limits:
+            continue
+        anchor = family.anchor_token_id(modality)
+        items = sum(1 for r in refs if r.modality is modality)
+        found = sum(1 for t in ids if t == anchor)
+        if found != items:
+            raise GatewayError(ErrorCode.MEDIA_COUNT_MISMATCH,
+                               f"the prompt has {found} {modality.value} anchors for {items} {modality.value}s",
+                               "messages")
+
+
+def worker_schemes(worker: Worker) -> frozenset[str]:
+    """The URL schemes the worker fetches (its ``mm_media_ref_schemes`` label)."""
+    return frozenset(s.strip().lower() for s in worker.labels.get(SCHEMES_LABEL, "").split(",") if s.strip())
+
+
+def select_processing_worker(registry: WorkerRegistry, refs: Sequence[MediaRef]) -> Worker:
+    """The least-loaded healthy worker that processes media references and fetches every ref's scheme.
+
+    Raises:
+        GatewayError(NO_HEALTHY_WORKER): 503, no healthy worker advertises a media processor.
+        GatewayError(UNSUPPORTED_MEDIA_URL_SCHEME): 400, a URL scheme no such worker fetches.
+    """
+    modalities = {r.modality for r in refs}
+    capable = [w for w in registry.workers if w.healthy and advertises_processor(w) and w.accepts(modalities)]
+    if not capable:
+        raise GatewayError(ErrorCode.NO_HEALTHY_WORKER, "no healthy worker of this model processes media references")
+    schemes = {r.url: url_scheme(r.url) for r in refs}
+    fitting = [w for w in capable if set(schemes.values()) <= worker_schemes(w)]
+    if not fitting:
+        chosen = min(capable, key=lambda w: w.in_flight)
+        accepted = worker_schemes(chosen)
+        bad = next(r for r in refs if schemes[r.url] not in accepted)
+        raise GatewayError(ErrorCode.UNSUPPORTED_MEDIA_URL_SCHEME,
+                           f"media URL scheme {schemes[bad.url]!r} is not fetched by the worker "
+                           f"(it fetches: {','.join(sorted(accepted)) or 'nothing'})", bad.param)
+    chosen = min(fitting, key=lambda w: w.in_flight)
+    assert chosen.client is not None  # healthy implies probed
+    return chosen
+
