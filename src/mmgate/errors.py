@@ -23,6 +23,7 @@ class ErrorCode(StrEnum):
     """Stable, machine-readable error codes (the ``code`` field and header)."""
 
     INVALID_REQUEST = "invalid_request"
+    REQUEST_TOO_LARGE = "request_too_large"
     MODEL_NOT_FOUND = "model_not_found"
     MULTIMODAL_NOT_SUPPORTED = "multimodal_not_supported"
     MEDIA_COUNT_MISMATCH = "media_count_mismatch"
@@ -61,6 +62,7 @@ _SERVER = "server_error"
 
 ERROR_TABLE: dict[ErrorCode, ErrorSpec] = {
     ErrorCode.INVALID_REQUEST: ErrorSpec(400, False, _INVALID),
+    ErrorCode.REQUEST_TOO_LARGE: ErrorSpec(413, False, _INVALID),
     ErrorCode.MODEL_NOT_FOUND: ErrorSpec(404, False, _INVALID),
     ErrorCode.MULTIMODAL_NOT_SUPPORTED: ErrorSpec(400, False, _INVALID),
     ErrorCode.MEDIA_COUNT_MISMATCH: ErrorSpec(400, False, _INVALID),

@@ -285,7 +285,7 @@ class Pipeline:
                 video_plans = tuple(_at(r, family.plan_video, clip, r.hints) for clip, r in zip(clips, videos))
                 raw = choose_worker(modalities) if choose_worker is not None else False
                 image_batch, video_batch = await _all_or_none(
-                    self._preprocess(family, decoded, images, image_plans, raw),
+                    self._preprocess_images(family, decoded, images, image_plans, raw),
                     self._preprocess_videos(family, clips, video_plans, raw))
             with metrics.stage("expand", timings):
                 reps: dict[int, list[Replacement]] = {}
@@ -318,7 +318,8 @@ class Pipeline:
         async def one(ref: MediaRef) -> DecodedImage:
             data = await self.fetcher.fetch(ref.url, fs.image_max_bytes, ref.param)
             try:
-                return await loop.run_in_executor(self.executor, decode_image, data, fs.max_image_pixels)
+                return await loop.run_in_executor(self.executor, decode_image, data, fs.max_image_pixels,
+                                                  fs.image_apply_exif_orientation)
             except GatewayError as exc:
                 raise GatewayError(exc.code, exc.message, ref.param) from None
 
@@ -334,8 +335,19 @@ class Pipeline:
             raise
         return [tasks[ref.url].result() for ref in refs]
 
-    async def _preprocess(self, family: Family, images: Sequence[DecodedImage], refs: Sequence[MediaRef],
-                          plans: Sequence[ItemPlan], raw: bool) -> EncoderBatch | None:
+    async def _preprocess(self, family: Family, images: Sequence[DecodedImage], modalities: frozenset[Modality],
+                          choose_worker: Callable[[frozenset[Modality]], bool] | None,
+                          ) -> tuple[EncoderBatch, tuple[ItemPlan, ...]]:
+        """Plan each (unhinted) image, choose the worker, then preprocess: the image-only path."""
+        plans = tuple(family.plan(Modality.IMAGE, im.height, im.width) for im in images)
+        raw = choose_worker(modalities) if choose_worker is not None else False
+        refs = [MediaRef(Modality.IMAGE, "", i, "") for i in range(len(images))]
+        batch = await self._preprocess_images(family, images, refs, plans, raw)
+        assert batch is not None
+        return batch, plans
+
+    async def _preprocess_images(self, family: Family, images: Sequence[DecodedImage], refs: Sequence[MediaRef],
+                                 plans: Sequence[ItemPlan], raw: bool) -> EncoderBatch | None:
         """Preprocess planned images (pixel cache first, then the thread pool); None for no images."""
         if not images:
             return None

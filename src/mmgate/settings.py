@@ -180,6 +180,7 @@ class Settings:
     mm_processing: MmProcessing = MmProcessing.AUTO
     mm_processing_models: tuple[str, ...] | None = None  # opted in to worker-side processing; None: every model
     preprocess_threads: int = 0  # 0: os.cpu_count()
+    max_request_body_bytes: int = 0  # 0: derived from the per-item byte caps (api.app.body_limit_for)
     log_level: str = "info"
 
 
@@ -263,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"where media is processed: router, worker or auto (default; env {ENV_MM_PROCESSING}, deprecated)")
     p.add_argument("--mm-processing-models", nargs="*", default=None, metavar="MODEL",
                    help="models opted in to worker-side processing (served or bundle name); unset: every model")
+    p.add_argument("--max-request-body-bytes", type=int, default=0,
+                   help="413 request_too_large past this body size (0: largest per-item cap in base64 + 1 MiB)")
     p.add_argument("--preprocess-threads", type=int, default=0)
     p.add_argument("--log-level", default="info")
     return p
@@ -321,5 +324,6 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         mm_processing=_mm_processing(ns.mm_processing, environ),
         mm_processing_models=None if ns.mm_processing_models is None else tuple(ns.mm_processing_models),
         preprocess_threads=ns.preprocess_threads,
+        max_request_body_bytes=max(0, ns.max_request_body_bytes),
         log_level=ns.log_level,
     )

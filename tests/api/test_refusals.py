@@ -150,3 +150,16 @@ def test_image_to_model_without_vision_is_400_multimodal_not_supported(text_only
         body = {"model": "test/qwen2-text", "messages": [{"role": "user", "content": [
             image_part(data_url(png_bytes())), {"type": "text", "text": "what is this?"}]}]}
         assert_refused(post(base, body), 400, "multimodal_not_supported")
+
+
+def test_request_body_over_the_limit_is_413_request_too_large() -> None:
+    settings = settings_for(bundle_dir("Qwen/Qwen3-VL-2B-Instruct"), max_request_body_bytes=10_000)
+    with gateway_in_thread(settings) as base:
+        body = {"model": "Qwen/Qwen3-VL-2B-Instruct", "messages": [{"role": "user", "content": "x" * 20_000}]}
+        assert_refused(post(base, body), 413, "request_too_large")
+        # Without a Content-Length (chunked upload) the streamed body is cut at the limit too.
+        chunks = (b'{"model": "m", "messages": [{"role": "user", "content": "' + b"x" * 4096, *[b"x" * 4096] * 4,
+                  b'"}]}')
+        resp = httpx.post(base + "/v1/chat/completions", content=iter(chunks), timeout=10,
+                          headers={"content-type": "application/json"})
+        assert_refused(resp, 413, "request_too_large")

@@ -98,6 +98,28 @@ def error_response(exc: GatewayError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 ``request_too_large`` past ``limit`` bytes (declared or streamed)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise GatewayError(ErrorCode.REQUEST_TOO_LARGE, f"request body exceeds {limit} bytes")
+    chunks = bytearray()
+    async for chunk in request.stream():
+        chunks += chunk
+        if len(chunks) > limit:
+            raise GatewayError(ErrorCode.REQUEST_TOO_LARGE, f"request body exceeds {limit} bytes")
+    return bytes(chunks)
+
+
+def body_limit_for(settings: Settings) -> int:
+    """Largest accepted body: every item at its byte cap as base64 would not fit anyway, so the bound is
+    the largest per-item cap in base64 (4/3) plus 1 MiB of text, unless set explicitly."""
+    if settings.max_request_body_bytes:
+        return settings.max_request_body_bytes
+    fs = settings.fetch
+    return max(fs.image_max_bytes, fs.video_max_bytes, fs.audio_max_bytes) * 4 // 3 + 1024 * 1024
+
+
 def _timing_header(timings: dict[str, float]) -> str:
     return ",".join(f"{k}={v:.2f}" for k, v in timings.items())
 
@@ -116,6 +138,7 @@ def create_app(state: GatewayState) -> FastAPI:
             state.executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="mmgate", lifespan=lifespan)
+    body_limit = body_limit_for(state.settings)
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
@@ -128,7 +151,7 @@ def create_app(state: GatewayState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = parse_chat_request(await request.body())
+        req = parse_chat_request(await read_body(request, body_limit))
         metrics.REQUESTS.labels(state.runtime.served_name, str(req.stream).lower()).inc()
         decision = decide_request(req, state.settings, state.runtime, state.workers.workers)
         if decision is not None and decision.mode is Mode.WORKER:

@@ -149,8 +149,8 @@ class PinnedTransport(httpx.AsyncBaseTransport):
     """
 
     def __init__(self, network_backend: httpcore.AsyncNetworkBackend | None = None,
-                 ssl_context: ssl.SSLContext | None = None, max_connections: int = 64,
-                 max_keepalive_connections: int = 16, keepalive_expiry_s: float = 5.0) -> None:
+                 ssl_context: ssl.SSLContext | None = None, max_connections: int = 100,
+                 max_keepalive_connections: int = 20, keepalive_expiry_s: float = 5.0) -> None:
         self._pool = httpcore.AsyncConnectionPool(
             ssl_context=ssl_context or default_ssl_context(),
             max_connections=max_connections, max_keepalive_connections=max_keepalive_connections,

@@ -42,6 +42,9 @@ from mmgate.types import DecodedVideo, VideoMeta
 #: demuxer names accepted (FFmpeg ``format_whitelist``)
 ALLOWED_DEMUXERS = "mov,mp4,m4a,3gp,3g2,mj2,matroska,webm,avi,mpegts,mpeg,flv,ogg"
 _CONTAINER_OPTIONS = {"format_whitelist": ALLOWED_DEMUXERS, "protocol_whitelist": "none"}
+#: FFmpeg decoder threading: "AUTO" (frame + slice threads, bit-exact); PyAV's own default, which the
+#: reference's loader uses, is "SLICE" (benchmarks/video.py measures both)
+DECODE_THREAD_TYPE = "AUTO"
 
 
 def av_available() -> bool:
@@ -101,7 +104,7 @@ def _open(data: bytes) -> tuple[Any, Any]:
         container.close()
         raise _failed("no video stream")
     stream = container.streams.video[0]
-    stream.codec_context.thread_type = "AUTO"
+    stream.codec_context.thread_type = DECODE_THREAD_TYPE
     return container, stream
 
 

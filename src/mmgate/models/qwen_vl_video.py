@@ -28,7 +28,10 @@ Placeholder anchoring: a clip's embedding range is its whole replacement.  For
 Qwen2/2.5-VL that is the pad run; for Qwen3-VL it includes the timestamp text
 and the per-frame vision markers, and the engine embeds only the positions
 holding ``<|video_pad|>`` (vLLM ``PlaceholderRange.is_embed``; the SMG servicer
-computes it from ``im_token_id``), as vLLM's own Qwen3-VL processor does.
+computes it from ``im_token_id``).  That is the content of vLLM's own Qwen3-VL
+prompt update (``select_token_id(placeholder, video_token_id)``); unlike vLLM,
+which replaces the template's outer markers too, the outer
+``<|vision_start|>``/``<|vision_end|>`` stay, as in transformers.
 """
 
 from __future__ import annotations
