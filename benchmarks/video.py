@@ -37,8 +37,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from bench_report import MODELS_DIR, REPO_ROOT, environment, median, render_table, write_json
+from bench_report import (
+    MODELS_DIR,
+    REPO_ROOT,
+    environment,
+    median,
+    render_table,
+    write_json,
+)
 
 import mmgate.media.video as video_module
 from mmgate.chat.tokenizer import load_tokenizer

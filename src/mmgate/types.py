@@ -1,9 +1,10 @@
 """Frozen, slotted dataclasses shared across the pipeline stages.
 
 A request flows forward as: ``ChatRequest`` (api) -> ``MediaRef`` per content
-part (plan) -> ``DecodedImage`` (fetch+decode) -> ``ItemPlan`` (family.plan)
--> ``EncoderBatch`` (family.preprocess) -> ``Replacement`` (family.expand)
--> ``PreparedRequest`` (pipeline) -> engine message (engines/).
+part (plan) -> ``DecodedImage`` / ``DecodedVideo`` (fetch+decode) -> ``ItemPlan``
+/ ``VideoPlan`` (family.plan, family.plan_video) -> ``EncoderBatch`` (family.preprocess)
+-> ``Replacement`` (family.expand) -> ``PreparedRequest`` (pipeline) -> engine
+message (engines/).
 
 No ``dict[str, Any]`` crosses a module boundary; tensors are numpy arrays with
 their shape and dtype documented where they are produced.
@@ -157,7 +158,7 @@ class PlaceholderRange:
 
 @dataclass(frozen=True, slots=True)
 class VideoPlan:
-    """Geometry and sampling of one clip, fixed before its frames are decoded.
+    """Sampling (chosen from the header, before decoding) and geometry (from the decoded frames) of one clip.
 
     ``item.grid_thw`` = ``(grid_t, grid_h, grid_w)`` with ``grid_t`` =
     ``ceil(len(frame_indices) / temporal_patch_size)`` (the reference pads the

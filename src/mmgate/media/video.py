@@ -162,7 +162,7 @@ def _decode_indices(data: bytes, indices: Sequence[int], allowance: PixelAllowan
             if i in want:
                 rgb = frame.to_ndarray(format="rgb24")
                 if out is None:
-                    rotation = int(frame.rotation or 0)
+                    rotation = int(getattr(frame, "rotation", 0) or 0)  # VideoFrame.rotation: PyAV >= 14
                     extra = len(indices) * rgb.shape[0] * rgb.shape[1] - taken
                     if allowance is not None and extra > 0:
                         allowance.take(extra)

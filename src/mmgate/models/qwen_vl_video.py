@@ -46,6 +46,7 @@ import numpy as np
 
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.models import geometry
+from mmgate.models.video_pixels import FrameProcessor, patchify_video  # noqa: F401 - patchify_video re-exported
 from mmgate.settings import ImageBackend
 from mmgate.types import (
     DecodedVideo,
@@ -341,8 +342,11 @@ class QwenVLVideo:
         self.vision_end_id = token_ids["<|vision_end|>"]
         self._encode = encode
         self.backend = backend
-        self._lut = geometry.normalize_lut(backend, params.rescale_factor, params.image_mean, params.image_std,
-                                           params.do_rescale, params.do_normalize)
+        # The video processors are torchvision-only: their fused rescale+normalize, whatever resizes.
+        lut = geometry.normalize_lut(ImageBackend.TORCHVISION, params.rescale_factor, params.image_mean,
+                                     params.image_std, params.do_rescale, params.do_normalize)
+        self._pixels = FrameProcessor(backend, lut, params.rescale_factor, params.image_mean, params.image_std,
+                                      params.do_rescale, params.do_normalize)
         self._timestamp_ids: dict[str, tuple[int, ...]] = {}
         self._lock = threading.Lock()
 
@@ -404,18 +408,11 @@ class QwenVLVideo:
                          source_fps=video.meta.fps, max_pixels=max_pixels)
 
     def preprocess(self, video: DecodedVideo, plan: VideoPlan, raw: bool = False) -> np.ndarray:
-        """One clip -> ``[grid_t*grid_h*grid_w, C*T*P*P]`` rows: resize each frame (the reference's
-        torchvision kernel), rescale+normalize (or raw uint8), pad time with the last frame, patchify."""
+        """One clip -> ``[grid_t*grid_h*grid_w, C*T*P*P]`` rows, float32 (or raw uint8):
+        :class:`~mmgate.models.video_pixels.FrameProcessor` (resize, pad time, patchify, normalize)."""
         p = self.p
-        frames = video.frames
-        if p.do_resize:
-            size = plan.item.resized_hw
-            out = np.empty((frames.shape[0], size[0], size[1], frames.shape[3]), dtype=np.uint8)
-            for k in range(frames.shape[0]):
-                out[k] = geometry.resize_uint8(frames[k], size, p.resample, self.backend)
-            frames = out
-        values = frames if raw else geometry.apply_lut(frames, self._lut)
-        return patchify_video(values, p.patch_size, p.merge_size, p.temporal_patch_size)
+        return self._pixels(video.frames, plan.item.resized_hw if p.do_resize else None, p.resample, p.patch_size,
+                            p.merge_size, p.temporal_patch_size, raw)
 
     def assemble(self, rows: Sequence[np.ndarray], plans: Sequence[VideoPlan]) -> EncoderBatch:
         """The video batch: ``pixel_values`` flat by ``patches_per_video``; ``video_grid_thw``,
@@ -457,22 +454,3 @@ class QwenVLVideo:
             stamps = qwen3_timestamps(plan.frame_indices, plan.source_fps, self.p.temporal_patch_size)
             ids = tuple(t for s in stamps[:grid_t] for t in self._timestamp(s) + frame)
         return Replacement(token_ids=ids, embed_offset=0, embed_length=len(ids))
-
-
-def patchify_video(values: np.ndarray, patch_size: int, merge_size: int, temporal_patch_size: int) -> np.ndarray:
-    """``[N, H, W, C]`` frames -> ``[grid_t*gh*gw, C*T*p*p]`` rows.
-
-    Port of transformers 5.24 ``Qwen2VLVideoProcessor.patchify`` (same in
-    Qwen3-VL): pad N to a multiple of T with copies of the last frame, view
-    ``(gt, T, C, gh/m, m, p, gw/m, m, p)`` and permute to
-    ``(gt, gh/m, gw/m, m, m, C, T, p, p)``; here from channels-last input.
-    """
-    if pad := -values.shape[0] % temporal_patch_size:
-        values = np.concatenate([values, np.repeat(values[-1:], pad, axis=0)], axis=0)
-    n, height, width, channels = values.shape
-    gt, gh, gw = n // temporal_patch_size, height // patch_size, width // patch_size
-    m, p, t = merge_size, patch_size, temporal_patch_size
-    x = values.reshape(gt, t, gh // m, m, p, gw // m, m, p, channels)
-    # (gt, T, gh/m, m_h, p_h, gw/m, m_w, p_w, C) -> (gt, gh/m, gw/m, m_h, m_w, C, T, p_h, p_w)
-    x = x.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)
-    return np.ascontiguousarray(x).reshape(gt * gh * gw, channels * t * p * p)

@@ -1,0 +1,94 @@
+"""Frame sampling against the reference video processors' ``sample_frames``, from metadata alone.
+
+No clip is decoded: for frame counts 1..400 plus long clips, source rates
+24/25/29.97/30/60 and every sampling setting (the bundle default and the
+``fps`` hint), mmgate's indices equal what ``Qwen2VLVideoProcessor`` /
+``Qwen3VLVideoProcessor.sample_frames`` return (or both refuse).
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import numpy as np
+import pytest
+
+from mmgate.errors import GatewayError
+from mmgate.models.qwen_vl_video import QWEN3_VIDEO, sample_indices, torch_arange_int
+from mmgate.types import ItemHints, VideoMeta
+from tests.video.video_support import MODELS, QWEN2, QWEN2_5, QWEN3, pipeline, processor
+
+TOTALS = (*range(1, 122), 149, 150, 151, 199, 240, 241, 300, 301, 599, 600, 1799, 1800, 7201, 23_999)
+SOURCE_FPS = (24.0, 25.0, 30000 / 1001, 30.0, 60.0)
+HINTS = (None, 0.2, 0.7, 2.0, 3.3, 5.0)
+
+
+def reference_indices(model: str, total: int, source_fps: float, fps_hint: float | None) -> list[int] | None:
+    """What the reference keeps for a clip of ``total`` frames (None: it raises)."""
+    from transformers.video_utils import VideoMetadata
+
+    vp = processor(model).video_processor
+    if fps_hint is None and not vp.do_sample_frames:
+        return list(range(total))  # no sampling: every decoded frame is processed
+    meta = VideoMetadata(total_num_frames=total, fps=source_fps)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = vp.sample_frames(meta, fps=fps_hint if fps_hint is not None else vp.fps, num_frames=None)
+    except (ValueError, ZeroDivisionError):
+        return None
+    # An index == total makes the reference fail later (IndexError on the frames); mmgate drops it.
+    return [int(i) for i in np.asarray(out) if i < total]
+
+
+@pytest.mark.parametrize("model", MODELS[1:])  # Qwen2-VL builds the same Qwen2VLVideoProcessor as Qwen2.5-VL
+def test_sampled_indices_equal_the_reference_for_every_length_rate_and_hint(model: str) -> None:
+    video = pipeline(model).runtime.family.video
+    mismatches = []
+    for total in TOTALS:
+        for source_fps in SOURCE_FPS:
+            meta = VideoMeta(total_frames=total, fps=source_fps, height=48, width=64, codec="h264", container="mp4")
+            for hint in HINTS:
+                expected = reference_indices(model, total, source_fps, hint)
+                try:
+                    got: list[int] | None = sample_indices(video.p, meta, ItemHints(fps=hint))
+                except GatewayError:
+                    got = None
+                if got != expected:
+                    mismatches.append((total, source_fps, hint, got, expected))
+    assert mismatches == []
+
+
+def test_qwen2_and_qwen2_5_build_the_same_video_processor() -> None:
+    assert type(processor(QWEN2).video_processor) is type(processor(QWEN2_5).video_processor)
+    assert pipeline(QWEN2).runtime.family.video.p == pipeline(QWEN2_5).runtime.family.video.p
+
+
+def test_qwen3_default_is_two_frames_per_second_within_min_and_max_frames() -> None:
+    video = pipeline(QWEN3).runtime.family.video
+    assert video.p.processor == QWEN3_VIDEO and video.p.fps == 2.0
+    meta = VideoMeta(total_frames=300, fps=30.0, height=48, width=64, codec="h264", container="mp4")
+    # int(300 / 30 * 2) = 20 frames, np.linspace(0, 299, 20).round()
+    assert sample_indices(video.p, meta, ItemHints()) == [int(i) for i in np.linspace(0, 299, 20).round()]
+    short = VideoMeta(total_frames=10, fps=30.0, height=48, width=64, codec="h264", container="mp4")
+    assert len(sample_indices(video.p, short, ItemHints())) == 4  # min_frames
+
+
+def test_qwen2_index_arithmetic_equals_torch_arange_on_float32() -> None:
+    """``torch.arange(0, total, total / n).int()`` fills float32 in 8- or 16-lane SIMD blocks, so long clips
+    get CPU-dependent low bits: with torch mmgate calls it; the torch-free port models the 8-lane (AVX2/NEON)
+    layout, checked here on the machines where torch itself runs 8 lanes."""
+    import torch
+
+    from mmgate.models.qwen_vl_video import _arange_8_lanes
+
+    rng = random.Random(0)
+    eight_lanes = torch.backends.cpu.get_cpu_capability() in ("AVX2", "DEFAULT", "NO AVX")
+    for _ in range(800):
+        total = rng.randint(2, 200_000)
+        n = rng.randrange(2, min(768, total) + 1, 2)
+        expected = torch.arange(0, total, total / n).int().tolist()
+        assert torch_arange_int(total, n) == expected
+        if eight_lanes:
+            assert _arange_8_lanes(total, n) == expected, (total, n)

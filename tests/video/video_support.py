@@ -1,0 +1,177 @@
+"""Shared helpers of the video tests: clips made with PyAV, the reference path, the mmgate path.
+
+* ``make_clip`` encodes a deterministic clip (every frame different, so a
+  wrong frame index shows) with PyAV's bundled FFmpeg: libx264 (yuv420p, or
+  yuv444p for odd sizes) or mpeg4; optional display-matrix rotation
+  (``VideoStream.set_display_rotation``) and variable frame durations.
+* ``reference`` runs the transformers 5.24 path on a file: its own pyav loader
+  ``load_video(path, backend="pyav")`` (torchcodec is not installed here; the
+  video processor's URL path would pick it), then ``AutoProcessor`` with the
+  decoded frames and their ``VideoMetadata``.
+* ``prepare`` runs mmgate's pipeline in process on ``data:`` URLs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import copy
+import json
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from fractions import Fraction
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import av
+import numpy as np
+
+from mmgate.api.protocol import parse_chat_request
+from mmgate.chat.tokenizer import load_tokenizer
+from mmgate.media.fetch import MediaFetcher
+from mmgate.models.bundle import load_bundle
+from mmgate.models.registry import load_family
+from mmgate.pipeline import ModelRuntime, Pipeline
+from mmgate.settings import ImageBackend, Settings
+from mmgate.types import PreparedRequest
+from tests.conftest import bundle_dir
+
+QWEN2 = "Qwen/Qwen2-VL-2B-Instruct"
+QWEN2_5 = "Qwen/Qwen2.5-VL-7B-Instruct"
+QWEN3 = "Qwen/Qwen3-VL-2B-Instruct"
+MODELS = (QWEN2, QWEN2_5, QWEN3)
+
+
+@dataclass(frozen=True)
+class ClipSpec:
+    name: str
+    frames: int
+    fps: int
+    width: int
+    height: int
+    codec: str = "libx264"
+    rotation: int | None = None
+    durations_ms: tuple[int, ...] | None = None  # variable frame rate: per-frame durations
+    container: str = "mp4"
+
+    @property
+    def pix_fmt(self) -> str:
+        if self.codec == "libx264" and (self.width % 2 or self.height % 2):
+            return "yuv444p"
+        return "yuv420p"
+
+
+def frame_pixels(i: int, height: int, width: int) -> np.ndarray:
+    """Frame ``i``: gradients that move with ``i`` plus seeded noise (uint8 ``[H, W, 3]``)."""
+    yy, xx = np.mgrid[0:height, 0:width]
+    base = np.stack([(xx * 5 + i * 9) % 256, (yy * 7 + i * 13) % 256, ((xx + yy) * 3 + i * 29) % 256], axis=-1)
+    noise = np.random.default_rng(i).integers(0, 24, (height, width, 3))
+    return np.clip(base + noise, 0, 255).astype(np.uint8)
+
+
+def make_clip(spec: ClipSpec, folder: Path) -> Path:
+    path = folder / f"{spec.name}.{'webm' if spec.container == 'webm' else spec.container}"
+    container = av.open(str(path), "w", format="webm" if spec.container == "webm" else None)
+    stream = container.add_stream(spec.codec, rate=spec.fps)
+    stream.width, stream.height, stream.pix_fmt = spec.width, spec.height, spec.pix_fmt
+    if spec.codec == "libx264":
+        stream.options = {"preset": "ultrafast", "crf": "18"}
+    if spec.rotation is not None:
+        stream.set_display_rotation(spec.rotation)
+    if spec.durations_ms is not None:
+        stream.codec_context.time_base = Fraction(1, 1000)
+        stream.time_base = Fraction(1, 1000)
+    pts = 0
+    for i in range(spec.frames):
+        frame = av.VideoFrame.from_ndarray(frame_pixels(i, spec.height, spec.width), format="rgb24")
+        if spec.durations_ms is not None:
+            frame.pts, frame.time_base = pts, Fraction(1, 1000)
+            pts += spec.durations_ms[i % len(spec.durations_ms)]
+        for packet in stream.encode(frame):
+            container.mux(packet)
+    for packet in stream.encode():
+        container.mux(packet)
+    container.close()
+    return path
+
+
+#: the parity corpus: 1, 2, 3, 5, 17, 60, 301 frames; 24, 25, 30, 60 fps; odd sizes; rotation; VFR
+CLIPS = (
+    ClipSpec("f1_24fps", 1, 24, 64, 48),
+    ClipSpec("f2_25fps", 2, 25, 66, 50),
+    ClipSpec("f3_30fps_odd", 3, 30, 65, 47),
+    ClipSpec("f5_60fps", 5, 60, 96, 54),
+    ClipSpec("f17_25fps_mpeg4", 17, 25, 70, 46, codec="mpeg4"),
+    ClipSpec("f60_30fps", 60, 30, 160, 90),
+    ClipSpec("f301_24fps_tiny", 301, 24, 48, 32),
+    ClipSpec("f8_4fps_rot90", 8, 4, 64, 48, rotation=90),
+    ClipSpec("f20_vfr", 20, 30, 63, 45, durations_ms=(33, 33, 100, 17, 250, 40, 66, 10)),
+)
+
+
+def data_url(path: Path) -> str:
+    return "data:video/mp4;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+@cache
+def processor(model: str) -> Any:
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(bundle_dir(model))
+
+
+@dataclass(frozen=True)
+class Reference:
+    input_ids: list[int]
+    frames: np.ndarray  # what load_video decoded (all frames), uint8 [T, H, W, 3]
+    indices: list[int]  # frames the video processor kept
+    fps: float
+    out: dict[str, np.ndarray]
+
+
+def load(path: Path) -> tuple[np.ndarray, Any]:
+    from transformers.video_utils import load_video
+
+    return load_video(str(path), backend="pyav")
+
+
+def reference(model: str, path: Path, text: str = "What happens?", images: list | None = None,
+              video_kwargs: dict | None = None, image_kwargs: dict | None = None) -> Reference:
+    """The transformers processor on the frames its pyav loader decodes (video first, then images)."""
+    proc = processor(model)
+    frames, meta = load(path)
+    content = [{"type": "video"}] + [{"type": "image"} for _ in images or ()] + [{"type": "text", "text": text}]
+    prompt = proc.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                      tokenize=False)
+    vk = {"cap_pixels_per_frame": False, **(video_kwargs or {})}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sampled = proc.video_processor(videos=[frames], video_metadata=[copy.deepcopy(meta)], return_metadata=True,
+                                       return_tensors="np", **vk)
+        out = proc(text=[prompt], videos=[frames], video_metadata=[copy.deepcopy(meta)], images=images,
+                   return_tensors="np", videos_kwargs=vk, images_kwargs=image_kwargs or {})
+    return Reference(input_ids=[int(t) for t in out["input_ids"][0]], frames=frames,
+                     indices=[int(i) for i in sampled["video_metadata"][0].frames_indices], fps=float(meta.fps),
+                     out=dict(out))
+
+
+@cache
+def pipeline(model: str) -> Pipeline:
+    bundle = load_bundle(bundle_dir(model), name=model)
+    tokenizer = load_tokenizer(bundle)
+    family = load_family(bundle, tokenizer, ImageBackend.TORCHVISION)
+    runtime = ModelRuntime(bundle=bundle, tokenizer=tokenizer, family=family, served_name=model)
+    settings = Settings(model=model)
+    return Pipeline(runtime, settings, MediaFetcher(settings.fetch), ThreadPoolExecutor(2))
+
+
+def prepare(model: str, parts: list[dict], text: str = "What happens?") -> PreparedRequest:
+    """mmgate's pipeline on one user message: ``parts`` then the text."""
+    body = {"model": model, "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]}
+    return asyncio.run(pipeline(model).prepare(parse_chat_request(json.dumps(body).encode())))
+
+
+def video_part(path: Path, **hints: Any) -> dict:
+    return {"type": "video_url", "video_url": {"url": data_url(path), **hints}}
