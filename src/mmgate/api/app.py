@@ -21,12 +21,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from mmgate import metrics
 from mmgate.api.protocol import parse_chat_request
-from mmgate.api.responses import completion_body, sse_stream
+from mmgate.api.responses import respond
 from mmgate.api.worker_mode import forward_media_refs
 from mmgate.budget import InflightBudget
 from mmgate.cache import PixelCache
@@ -207,16 +207,9 @@ def create_app(state: GatewayState) -> FastAPI:
         lease.release()
         grant.release()
         headers = {"X-Mmgate-Stage-Ms": _timing_header(timings), "X-Request-Id": prepared.request_id}
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = sse_stream(prepared, first, responses, state.runtime.tokenizer, include_usage, release)
-            return StreamingResponse(body, media_type="text/event-stream", headers=headers)
-        try:
-            body_json = await completion_body(prepared, first, responses, state.runtime.tokenizer)
-        finally:
-            release()
-            await responses.aclose()
-        return JSONResponse(body_json, headers=headers)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await respond(prepared, req.stream, include_usage, first, responses, state.runtime.tokenizer,
+                             release, headers)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from smg_grpc_proto.generated import vllm_engine_pb2
 from tokenizers.decoders import DecodeStream
 
@@ -121,3 +122,21 @@ async def sse_stream(prepared: PreparedRequest, first: vllm_engine_pb2.GenerateR
         release()
         await rest.aclose()  # type: ignore[attr-defined]
     yield b"data: [DONE]\n\n"
+
+
+async def respond(prepared: PreparedRequest, stream: bool, include_usage: bool,
+                  first: vllm_engine_pb2.GenerateResponse, rest: AsyncGenerator[vllm_engine_pb2.GenerateResponse, None],
+                  tokenizer: BundleTokenizer, release: Callable[[], None], headers: dict[str, str]) -> Response:
+    """The HTTP response of a request whose engine has answered once: SSE or one JSON body.
+
+    ``release`` runs exactly once, when the stream or the body is finished (or failed).
+    """
+    if stream:
+        body = sse_stream(prepared, first, rest, tokenizer, include_usage, release)
+        return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+    try:
+        body_json = await completion_body(prepared, first, rest, tokenizer)
+    finally:
+        release()
+        await rest.aclose()
+    return JSONResponse(body_json, headers=headers)

@@ -23,11 +23,11 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from mmgate import metrics
 from mmgate.api.protocol import ChatCompletionRequest
-from mmgate.api.responses import completion_body, sse_stream
+from mmgate.api.responses import respond
 from mmgate.engines.vllm import build_media_ref_request
 from mmgate.errors import GatewayError
 from mmgate.routing.mm_processing import check_anchor_counts, check_ref_sizes, select_processing_worker
@@ -91,13 +91,6 @@ async def forward_media_refs(state: GatewayState, req: ChatCompletionRequest) ->
     metrics.PROMPT_TOKENS.inc(first.chunk.prompt_tokens if kind == "chunk" else first.complete.prompt_tokens)
     headers = {"X-Mmgate-Stage-Ms": ",".join(f"{k}={v:.2f}" for k, v in timings.items()),
                "X-Request-Id": prepared.request_id, "X-Mmgate-Mm-Processing": "worker"}
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        body = sse_stream(prepared, first, responses, state.runtime.tokenizer, include_usage, release)
-        return StreamingResponse(body, media_type="text/event-stream", headers=headers)
-    try:
-        body_json = await completion_body(prepared, first, responses, state.runtime.tokenizer)
-    finally:
-        release()
-        await responses.aclose()
-    return JSONResponse(body_json, headers=headers)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return await respond(prepared, req.stream, include_usage, first, responses, state.runtime.tokenizer, release,
+                         headers)
