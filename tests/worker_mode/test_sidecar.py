@@ -115,7 +115,11 @@ def test_the_engines_deadline_travels_with_the_job(live: Stack, media: Origin) -
     media.add("/deadline.png", image_bytes(32, 32, 6, "PNG"))
     start = time.monotonic()
     outcome = _generate(live.redis_engine.port, media.url("/slow/deadline.png"), timeout_s=0.6)
-    assert isinstance(outcome, grpc.RpcError) and outcome.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # Either the client's own deadline fires first, or the engine's answer that the sidecar stopped at that
+    # deadline arrives first (a race of a few milliseconds): both show the deadline travelled with the job.
+    assert isinstance(outcome, grpc.RpcError)
+    assert outcome.code() == grpc.StatusCode.DEADLINE_EXCEEDED or (
+        outcome.code() == grpc.StatusCode.UNAVAILABLE and "deadline" in (outcome.details() or ""))
     assert time.monotonic() - start < 1.5
     # The sidecar cut the job at the engine's deadline and said so (the engine logs why it gave up).
     wait_for(lambda: "deadline_exceeded: processing passed the job's deadline (0.6 s)"
