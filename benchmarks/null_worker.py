@@ -39,18 +39,10 @@ from typing import Any
 import grpc
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
+from mmgate.transport.shm import shm_namespace_id  # <boot_id>:<st_dev of /dev/shm>, as smg_grpc_servicer mm_shm
+
 SHM_DIR = "/dev/shm"
 _MAX_MESSAGE = 1024 * 1024 * 1024
-
-
-def shm_namespace_id() -> str:
-    """``<boot_id>:<st_dev of /dev/shm>`` ("" when unknown), as smg_grpc_servicer ``mm_shm.shm_namespace_id``."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            boot_id = f.read().strip()
-        return f"{boot_id}:{os.stat(SHM_DIR).st_dev}"
-    except OSError:
-        return ""
 
 
 def read_and_unlink_shm(handle: Any) -> int:

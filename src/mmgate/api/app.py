@@ -169,18 +169,7 @@ def create_app(state: GatewayState) -> FastAPI:
         timings = prepared.timings_ms
         grant = await state.budget.acquire(sum(b.nbytes for b in prepared.batches))
         lease = ShmLease()
-        worker.in_flight += 1
-        metrics.ACTIVE_REQUESTS.inc()
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                worker.in_flight -= 1
-                metrics.ACTIVE_REQUESTS.dec()
-                lease.release()
-                grant.release()
+        release = worker.hold(lease.release, grant.release)
 
         try:
             with metrics.stage("assemble", timings):

@@ -62,16 +62,7 @@ async def forward_media_refs(state: GatewayState, req: ChatCompletionRequest) ->
         input_ids=tuple(ids), batches=(), sampling=pipeline._sampling(req), stream=req.stream, timings_ms=timings)
     with metrics.stage("assemble", timings):
         msg = build_media_ref_request(prepared, refs)
-    worker.in_flight += 1
-    metrics.ACTIVE_REQUESTS.inc()
-    released = False
-
-    def release() -> None:
-        nonlocal released
-        if not released:
-            released = True
-            worker.in_flight -= 1
-            metrics.ACTIVE_REQUESTS.dec()
+    release = worker.hold()
 
     assert worker.client is not None
     responses = worker.client.generate(msg)

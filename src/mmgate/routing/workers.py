@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from mmgate import metrics
@@ -52,6 +52,23 @@ class Worker:
     healthy: bool = False
     in_flight: int = 0
     labels: dict[str, str] = field(default_factory=dict)
+
+    def hold(self, *also: Callable[[], object]) -> Callable[[], None]:
+        """Count one request in flight on this worker; returns an idempotent release that also runs ``also``."""
+        self.in_flight += 1
+        metrics.ACTIVE_REQUESTS.inc()
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.in_flight -= 1
+                metrics.ACTIVE_REQUESTS.dec()
+                for fn in also:
+                    fn()
+
+        return release
 
     def accepts(self, modalities: Iterable[Modality]) -> bool:
         wanted = set(modalities)
