@@ -34,6 +34,7 @@ from mmgate.chat.tokenizer import BundleTokenizer
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.models import geometry
 from mmgate.models.bundle import ModelBundle
+from mmgate.models.image_rows import RowNormalizer, RowSink, image_rows, write_rows
 from mmgate.models.qwen_vl_video import (
     QwenVLVideo,
     long_side_bound,
@@ -134,8 +135,10 @@ class QwenVLFamily:
         self.video = video
         if video is None:
             self.limits = {Modality.IMAGE: QwenVLFamily.limits[Modality.IMAGE]}
-        self._lut = geometry.normalize_lut(backend, image.rescale_factor, image.image_mean, image.image_std,
-                                           image.do_rescale, image.do_normalize)
+        lut = geometry.normalize_lut(backend, image.rescale_factor, image.image_mean, image.image_std,
+                                     image.do_rescale, image.do_normalize)
+        self._normalizer = RowNormalizer.for_table(lut, image.rescale_factor, image.image_mean, image.image_std,
+                                                   image.do_rescale, image.do_normalize)
 
     @classmethod
     def from_bundle(cls, bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageBackend) -> QwenVLFamily:
@@ -220,6 +223,15 @@ class QwenVLFamily:
             num_patches=gh * gw, num_tokens=gh * gw // (p.merge_size**2),
         )
 
+    def _resized(self, image: DecodedImage, plan: ItemPlan) -> np.ndarray:
+        """The uint8 pixels at ``plan.resized_hw``.  No resize when the size is unchanged: both
+        references return the image as it is then (``PIL.Image.resize`` returns a copy,
+        torchvision's ``resize_image`` the input), so the values are the same."""
+        p = self.image
+        if p.do_resize and plan.resized_hw != image.pixels.shape[:2]:
+            return geometry.resize_uint8(image.pixels, plan.resized_hw, p.resample, self.backend)
+        return image.pixels
+
     def preprocess_one(self, image: DecodedImage, plan: ItemPlan, raw: bool = False) -> np.ndarray:
         """One image -> ``[grid_h*grid_w, C*T*P*P]`` rows of ``pixel_values``.
 
@@ -228,11 +240,15 @@ class QwenVLFamily:
         normalizes on device (``mm_device_do_normalize``).
         """
         p = self.image
-        pixels = image.pixels
-        if p.do_resize:
-            pixels = geometry.resize_uint8(pixels, plan.resized_hw, p.resample, self.backend)
-        values = pixels if raw else geometry.apply_lut(pixels, self._lut)
-        return geometry.patchify_qwen(values, p.patch_size, p.merge_size, p.temporal_patch_size)
+        return image_rows(self._resized(image, plan), p.patch_size, p.merge_size, p.temporal_patch_size,
+                          None if raw else self._normalizer)
+
+    def write_one(self, image: DecodedImage, plan: ItemPlan, raw: bool, sink: RowSink) -> int:
+        """:meth:`preprocess_one` handing its rows to ``sink(first_row, rows)`` block by block
+        (``image_rows.write_rows``); returns the row count."""
+        p = self.image
+        return write_rows(self._resized(image, plan), p.patch_size, p.merge_size, p.temporal_patch_size,
+                          None if raw else self._normalizer, sink)
 
     def assemble(self, rows: Sequence[np.ndarray], plans: Sequence[ItemPlan]) -> EncoderBatch:
         """Stack per-image rows into the batch the engine receives (no placeholders yet)."""

@@ -1,0 +1,152 @@
+"""One image -> its ``pixel_values`` rows, normalized and patchified in one pass over cache-sized blocks.
+
+Stage: preprocess (images).  In: resized uint8 ``[H, W, C]`` pixels; out: rows
+``[gh*gw, C*T*p*p]`` (float32 normalized, uint8 raw, or a wire dtype) written
+block by block into a destination: an array, or a transport sink (a shared-memory
+segment, see :mod:`mmgate.transport.placement`), so the full-size float32 tensor
+is written once and never copied.
+
+The values are the reference's (transformers 5.24 ``Qwen2VLImageProcessor``
+torchvision backend: ``rescale_and_normalize`` then ``patchify``;
+``Qwen2VLImageProcessorPil``: ``rescale``, ``normalize``, ``patchify``); only the
+order differs: patchify the **uint8** image first (a quarter of the bytes; the
+layout permutation moves bytes, it does not change them), then normalize each
+block of rows and repeat it along T.
+
+Exactness of the normalization: the decoded image is uint8, so rescale +
+normalize is a function of (channel, byte value) alone, tabulated by
+:func:`mmgate.models.geometry.normalize_lut` with the reference's own
+arithmetic.  :class:`RowNormalizer` picks a vectorized float32 formula only if
+it reproduces that ``[C, 256]`` table bit for bit on **every** entry (an
+exhaustive check over the whole input domain, done once per configuration), and
+gathers the table otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+#: rows per block: ``64 * C*T*p*p * 4`` bytes (393 KB for Qwen3-VL float32) stays in L2
+BLOCK_ROWS = 64
+
+#: ``sink(first_row, rows)``: receives each finished block ``[b, C*T*p*p]`` (a reused buffer: copy it)
+RowSink = Callable[[int, np.ndarray], None]
+
+
+@dataclass(frozen=True, slots=True)
+class RowNormalizer:
+    """uint8 -> float32 rescale + normalize of one configuration, equal to its ``[C, 256]`` table.
+
+    ``formula``: ``(pre, scale, sub, div)`` for ``((x pre scale) - sub[c]) / div[c]`` in float32
+    (``pre`` is ``"*"``, ``"/"`` or ``""`` for none), or None: gather ``lut``.
+    """
+
+    lut: npt.NDArray[np.float32]
+    formula: tuple[str, np.float32, npt.NDArray[np.float32], npt.NDArray[np.float32]] | None
+
+    @classmethod
+    def for_table(cls, lut: npt.NDArray[np.float32], rescale_factor: float, mean: tuple[float, ...],
+                  std: tuple[float, ...], do_rescale: bool, do_normalize: bool) -> RowNormalizer:
+        """The fastest formula whose output equals ``lut`` on all ``C x 256`` inputs (else the table).
+
+        Candidates: the torchvision backend's fused ``(x - mean/scale) / (std/scale)``
+        (``TorchvisionBackend.rescale_and_normalize``), and ``((x * scale) - mean) / std``
+        with the rescale as a float32 multiply or divide (the PIL backend rescales in
+        float64; the check decides whether float32 gives the same values).
+        """
+        channels = lut.shape[0]
+        mean_f = np.asarray(mean if do_normalize else (0.0,) * channels, dtype=np.float32)
+        std_f = np.asarray(std if do_normalize else (1.0,) * channels, dtype=np.float32)
+        candidates: list[tuple[str, np.float32, npt.NDArray[np.float32], npt.NDArray[np.float32]]] = []
+        if do_rescale:
+            inv = np.float32(1.0 / rescale_factor)
+            candidates.append(("", np.float32(1), mean_f * inv, std_f * inv))
+            candidates.append(("*", np.float32(rescale_factor), mean_f, std_f))
+            candidates.append(("/", inv, mean_f, std_f))
+        else:
+            candidates.append(("", np.float32(1), mean_f, std_f))
+        domain = np.broadcast_to(np.arange(256, dtype=np.uint8), (1, channels, 256))
+        for formula in candidates:
+            got = np.empty((1, channels, 256), dtype=np.float32)
+            _apply_formula(domain, got, formula)
+            if np.array_equal(got[0].view(np.uint32), lut.view(np.uint32)):
+                return cls(lut=lut, formula=formula)
+        return cls(lut=lut, formula=None)
+
+    def __call__(self, src: npt.NDArray[np.uint8], out: npt.NDArray[np.float32]) -> None:
+        """``out[b, c, k] = table[c, src[b, c, k]]`` for uint8 ``src`` ``[b, C, K]`` (``out`` may be strided)."""
+        if self.formula is not None:
+            _apply_formula(src, out, self.formula)
+            return
+        for c in range(self.lut.shape[0]):
+            np.take(self.lut[c], src[:, c], out=out[:, c], mode="clip")
+
+
+def _apply_formula(src: np.ndarray, out: np.ndarray,
+                   formula: tuple[str, np.float32, npt.NDArray[np.float32], npt.NDArray[np.float32]]) -> None:
+    pre, scale, sub, div = formula
+    out[...] = src  # uint8 -> float32, exact
+    if pre == "*":
+        np.multiply(out, scale, out=out)
+    elif pre == "/":
+        np.divide(out, scale, out=out)
+    np.subtract(out, sub.reshape(1, -1, 1), out=out)
+    np.divide(out, div.reshape(1, -1, 1), out=out)
+
+
+def patch_rows_u8(image: npt.NDArray[np.uint8], patch_size: int, merge_size: int) -> npt.NDArray[np.uint8]:
+    """uint8 ``[H, W, C]`` -> ``[gh*gw, C, p*p]`` in the reference's patch order (no temporal repeat).
+
+    The ``(gh/m, gw/m, m_h, m_w, C, p_h, p_w)`` order of transformers 5.24
+    ``Qwen2VLImageProcessor.patchify`` without its T axis.
+    """
+    height, width, channels = image.shape
+    gh, gw, m, p = height // patch_size, width // patch_size, merge_size, patch_size
+    x = image.reshape(gh // m, m, p, gw // m, m, p, channels).transpose(0, 3, 1, 4, 6, 2, 5)
+    return np.ascontiguousarray(x).reshape(gh * gw, channels, p * p)
+
+
+def write_rows(image: npt.NDArray[np.uint8], patch_size: int, merge_size: int, temporal_patch_size: int,
+               normalizer: RowNormalizer | None, sink: RowSink, block_rows: int = BLOCK_ROWS) -> int:
+    """Patchify + normalize ``image`` and hand its rows to ``sink`` block by block; returns the row count.
+
+    Rows are ``[C, T, p, p]`` flattened, each patch repeated ``temporal_patch_size``
+    times along T (transformers 5.24 ``Qwen2VLImageProcessor.patchify`` of a single
+    image).  ``normalizer`` None: raw uint8 values (``mm_device_do_normalize``).
+    """
+    src = patch_rows_u8(image, patch_size, merge_size)
+    n, channels, area = src.shape
+    t = temporal_patch_size
+    dtype = np.dtype(np.uint8) if normalizer is None else np.dtype(np.float32)
+    buf = np.empty((min(block_rows, n), channels, t, area), dtype=dtype)
+    for start in range(0, n, block_rows):
+        stop = min(start + block_rows, n)
+        block = buf[:stop - start]
+        first = block[:, :, 0]
+        if normalizer is None:
+            first[...] = src[start:stop]
+        else:
+            normalizer(src[start:stop], first)
+        for k in range(1, t):
+            block[:, :, k] = first
+        sink(start, block.reshape(stop - start, channels * t * area))
+    return n
+
+
+def image_rows(image: npt.NDArray[np.uint8], patch_size: int, merge_size: int, temporal_patch_size: int,
+               normalizer: RowNormalizer | None) -> np.ndarray:
+    """:func:`write_rows` into a new array ``[gh*gw, C*T*p*p]`` (float32, or uint8 when ``normalizer`` is None)."""
+    height, width, channels = image.shape
+    n = (height // patch_size) * (width // patch_size)
+    out = np.empty((n, channels * temporal_patch_size * patch_size * patch_size),
+                   dtype=np.uint8 if normalizer is None else np.float32)
+
+    def into(start: int, rows: np.ndarray) -> None:
+        out[start:start + len(rows)] = rows
+
+    write_rows(image, patch_size, merge_size, temporal_patch_size, normalizer, into)
+    return out
