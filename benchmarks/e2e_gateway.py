@@ -48,7 +48,7 @@ from typing import Any
 import httpx
 
 from bench_report import MODELS_DIR, REPO_ROOT, SIZES, environment, median, quantile, render_table, sample_jpeg, write_json
-from gateway_procs import RssSampler, mmgate_has_transport_flags, start_null_worker, start_smg, tree_kb
+from gateway_procs import RssSampler, mmgate_has_transport_flags, start_null_worker, start_smg, tree_cpu, tree_kb
 
 from mmgate.launch import Child, start_gateway
 
@@ -165,6 +165,8 @@ class CellResult:
     errors: int = 0
     windows: list[tuple[float, float]] = field(default_factory=list)
     peak_rss_mb: float = float("nan")
+    cpu_s: float = 0.0  # CPU time (user + system) of the gateway's process tree during the timed rounds
+    minor_faults: int = 0
     stages: dict[str, list[float]] = field(default_factory=dict)  # mmgate only: stage -> ms per request
 
     @property
@@ -176,6 +178,8 @@ class CellResult:
                 "requests": len(self.latencies), "errors": self.errors, "seconds": round(self.seconds, 3),
                 "rps": self.rps, "p50_ms": 1000 * median(self.latencies),
                 "p99_ms": 1000 * quantile(self.latencies, 0.99), "peak_rss_mb": self.peak_rss_mb,
+                "cpu_ms_per_request": 1000 * self.cpu_s / max(1, len(self.latencies)),
+                "minor_faults_per_request": self.minor_faults / max(1, len(self.latencies)),
                 "stage_ms_median": {k: median(v) for k, v in self.stages.items()}}
 
 
@@ -225,7 +229,9 @@ def run_transport(args: argparse.Namespace, transport: str, bundle: Path, served
         wlog = WorkerLog(worker.log_path) if worker.log_path else None
         if run_mmgate:
             extra = [*(transport_args if mmgate_flags else []), *args.mmgate_arg]
-            children["mmgate"] = start_gateway(str(bundle), [worker.port], extra=extra, log_dir=log_dir)
+            mmgate_env = dict(os.environ) | dict(kv.split("=", 1) for kv in args.mmgate_env) if args.mmgate_env else None
+            children["mmgate"] = start_gateway(str(bundle), [worker.port], extra=extra, log_dir=log_dir,
+                                               env=mmgate_env)
         children["smg"] = start_smg(Path(args.smg), bundle, worker.port, transport_args, log_dir,
                                     Path(args.turbojpeg_dir) if args.turbojpeg_dir else None, served)
         bases = {n: f"http://127.0.0.1:{c.port}" for n, c in children.items()}
@@ -253,8 +259,12 @@ def run_transport(args: argparse.Namespace, transport: str, bundle: Path, served
                         order = list(bases) if rnd % 2 == 0 else list(reversed(bases))
                         for name in order:
                             t0 = time.monotonic()
+                            cpu0, faults0 = tree_cpu(children[name].proc.pid)
                             secs, lats, errs = asyncio.run(run_load(bases[name], body, per_round, conc,
                                                                     cells[name].stages))
+                            cpu1, faults1 = tree_cpu(children[name].proc.pid)
+                            cells[name].cpu_s += cpu1 - cpu0
+                            cells[name].minor_faults += faults1 - faults0
                             cells[name].windows.append((t0, time.monotonic()))
                             cells[name].seconds += secs
                             cells[name].latencies += lats
@@ -284,7 +294,8 @@ def run_transport(args: argparse.Namespace, transport: str, bundle: Path, served
 def table(phases: list[dict[str, Any]]) -> str:
     headers = ["transport", "image", "c", "mmgate req/s", "smg req/s", "mmgate p50 ms", "smg p50 ms",
                "mmgate p99 ms", "smg p99 ms", "mmgate peak RSS MB", "smg peak RSS MB",
-               "req/s mmgate/smg", "p50 mmgate/smg", "p99 mmgate/smg", "RSS mmgate/smg"]
+               "mmgate CPU ms/req", "smg CPU ms/req",
+               "req/s mmgate/smg", "p50 mmgate/smg", "p99 mmgate/smg", "RSS mmgate/smg", "CPU/req mmgate/smg"]
     rows = []
     for ph in phases:
         by = {(c["image"], c["concurrency"], c["gateway"]): c for c in ph["cells"]}
@@ -295,11 +306,14 @@ def table(phases: list[dict[str, Any]]) -> str:
             if m is None:
                 pending = "pending"
                 rows.append([ph["transport"], image, conc, pending, s["rps"], pending, s["p50_ms"], pending,
-                             s["p99_ms"], pending, s["peak_rss_mb"], pending, pending, pending, pending])
+                             s["p99_ms"], pending, s["peak_rss_mb"], pending, s["cpu_ms_per_request"],
+                             pending, pending, pending, pending, pending])
                 continue
             rows.append([ph["transport"], image, conc, m["rps"], s["rps"], m["p50_ms"], s["p50_ms"], m["p99_ms"],
-                         s["p99_ms"], m["peak_rss_mb"], s["peak_rss_mb"], m["rps"] / s["rps"],
-                         m["p50_ms"] / s["p50_ms"], m["p99_ms"] / s["p99_ms"], m["peak_rss_mb"] / s["peak_rss_mb"]])
+                         s["p99_ms"], m["peak_rss_mb"], s["peak_rss_mb"], m["cpu_ms_per_request"],
+                         s["cpu_ms_per_request"], m["rps"] / s["rps"], m["p50_ms"] / s["p50_ms"],
+                         m["p99_ms"] / s["p99_ms"], m["peak_rss_mb"] / s["peak_rss_mb"],
+                         m["cpu_ms_per_request"] / s["cpu_ms_per_request"]])
     return render_table(headers, rows)
 
 
@@ -337,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turbojpeg-dir", default=str(BENCH_OUT / "turbojpeg" / "usr" / "lib" / "x86_64-linux-gnu"),
                     help="folder holding libturbojpeg.so.0 for smg ('' to run smg without it)")
     ap.add_argument("--mmgate-arg", action="append", default=[], help="extra flag for mmgate serve (repeatable)")
+    ap.add_argument("--mmgate-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra environment variable for mmgate serve only (repeatable)")
     ap.add_argument("--py-spy", default=None,
                     help="py-spy binary: record mmgate's stacks during the timed part (raw collapsed stacks in bench-out/e2e-logs)")
     ap.add_argument("--validate-only", action="store_true", help="start, validate, stop (no timing)")

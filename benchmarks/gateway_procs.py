@@ -106,6 +106,24 @@ def tree_kb(pid: int, key: str) -> int:
     return sum(_status_kb(p, key) for p in _tree_pids(pid))
 
 
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu(pid: int) -> tuple[float, int]:
+    """(CPU seconds user+system, minor page faults) over ``pid`` and its descendants (``/proc/<pid>/stat``)."""
+    cpu, faults = 0.0, 0
+    for p in _tree_pids(pid):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        # after "(comm)": state=0 ... minflt=7, utime=11, stime=12 (proc(5) fields 10, 14, 15)
+        faults += int(fields[7])
+        cpu += (int(fields[11]) + int(fields[12])) / _TICK
+    return cpu, faults
+
+
 class RssSampler:
     """Samples the VmRSS of each gateway's process tree every ``interval_s`` in a thread."""
 

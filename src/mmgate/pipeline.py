@@ -21,6 +21,7 @@ in the order their modality first appears in the prompt.
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
@@ -57,8 +58,10 @@ from mmgate.types import (
     MediaRef,
     Modality,
     PlaceholderRange,
+    PendingTensor,
     PreparedRequest,
     Replacement,
+    RowTarget,
     SamplingParams,
     VideoPlan,
 )
@@ -194,12 +197,14 @@ class Pipeline:
     """Turns chat requests into :class:`PreparedRequest` objects for one model."""
 
     def __init__(self, runtime: ModelRuntime, settings: Settings, fetcher: MediaFetcher, executor: Executor,
-                 cache: PixelCache | None = None) -> None:
+                 cache: PixelCache | None = None, parallelism: int | None = None) -> None:
         self.runtime = runtime
         self.settings = settings
         self.fetcher = fetcher
         self.executor = executor
         self.cache = cache
+        #: pool threads one large image may be split across (``_fill_images``)
+        self.parallelism = parallelism or os.cpu_count() or 1
 
     def _sampling(self, req: ChatCompletionRequest) -> SamplingParams:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -212,7 +217,8 @@ class Pipeline:
         )
 
     async def prepare(self, req: ChatCompletionRequest, request_id: str | None = None,
-                      choose_worker: Callable[[frozenset[Modality]], bool] | None = None) -> PreparedRequest:
+                      choose_worker: Callable[[frozenset[Modality]], bool] | None = None,
+                      defer_pixels: bool = False) -> PreparedRequest:
         """Run every stage up to an engine-neutral request.
 
         ``choose_worker(modalities)``, when given, is called once every
@@ -221,13 +227,18 @@ class Pipeline:
         preprocessed; it selects the worker and returns whether that worker
         wants raw uint8 pixels (``mm_device_do_normalize``).
 
+        ``defer_pixels``: when images are the first modality of the prompt, their
+        ``pixel_values`` come back as a :class:`~mmgate.types.PendingTensor` (sizes
+        known, values computed later by ``fill`` straight into the transport
+        buffer the engine adapter picks); every refusal has happened by then.
+
         Raises:
             GatewayError: any refusal of the stages (see module docstring).
         """
         timings: dict[str, float] = {}
         runtime = self.runtime
         plan, prompt, ids = self.render_prompt(req, timings)
-        ids, batches, plans = await self.process_media(ids, plan, timings, choose_worker)
+        ids, batches, plans = await self.process_media(ids, plan, timings, choose_worker, defer_pixels)
         return PreparedRequest(
             request_id=request_id or f"chatcmpl-{uuid.uuid4().hex}", model=runtime.served_name, prompt_text=prompt,
             input_ids=tuple(ids), batches=batches, sampling=self._sampling(req), stream=req.stream, plans=plans,
@@ -254,6 +265,7 @@ class Pipeline:
 
     async def process_media(self, ids: list[int], plan: RequestPlan, timings: dict[str, float],
                             choose_worker: Callable[[frozenset[Modality]], bool] | None = None,
+                            defer_pixels: bool = False,
                             ) -> tuple[list[int], tuple[EncoderBatch, ...], tuple[ItemPlan, ...]]:
         """Prompt ids with one anchor per item + the plan's media -> expanded ids, encoder batches, plans.
 
@@ -284,8 +296,9 @@ class Pipeline:
                                     for im, r in zip(decoded, images))
                 video_plans = tuple(_at(r, family.plan_video, clip, r.hints) for clip, r in zip(clips, videos))
                 raw = choose_worker(modalities) if choose_worker is not None else False
+                defer = defer_pixels and plan.media[0].modality is Modality.IMAGE
                 image_batch, video_batch = await _all_or_none(
-                    self._preprocess_images(family, decoded, images, image_plans, raw),
+                    self._preprocess_images(family, decoded, images, image_plans, raw, defer),
                     self._preprocess_videos(family, clips, video_plans, raw))
             with metrics.stage("expand", timings):
                 reps: dict[int, list[Replacement]] = {}
@@ -347,13 +360,28 @@ class Pipeline:
         return batch, plans
 
     async def _preprocess_images(self, family: Family, images: Sequence[DecodedImage], refs: Sequence[MediaRef],
-                                 plans: Sequence[ItemPlan], raw: bool) -> EncoderBatch | None:
-        """Preprocess planned images (pixel cache first, then the thread pool); None for no images."""
+                                 plans: Sequence[ItemPlan], raw: bool, defer: bool = False) -> EncoderBatch | None:
+        """Preprocess planned images (pixel cache first, then the thread pool); None for no images.
+
+        ``defer``: return the batch with a :class:`PendingTensor` ``pixel_values``
+        whose ``fill`` does this work into a row target (see :meth:`_fill_images`).
+        """
         if not images:
             return None
-        loop = asyncio.get_running_loop()
         fingerprint = f"{family.fingerprint}:raw={raw}"
         keys = [item_hash(im.content_hash, hinted(fingerprint, r.hints)) for im, r in zip(images, refs)]
+        if defer:
+            firsts = [0]
+            for pl in plans:
+                firsts.append(firsts[-1] + pl.num_patches)
+
+            async def fill(target: RowTarget) -> None:
+                await self._fill_images(family, images, plans, keys, firsts[:-1], raw, target)
+
+            pending = PendingTensor(shape=(firsts[-1], family.row_width), dtype=np.dtype(np.uint8 if raw else np.float32),
+                                    fill=fill)
+            return family.assemble([], plans, pixel_values=pending)
+        loop = asyncio.get_running_loop()
         done: dict[str, np.ndarray] = {}
         todo: dict[str, tuple[DecodedImage, ItemPlan]] = {}
         for key, im, pl in zip(keys, images, plans):
@@ -373,6 +401,51 @@ class Pipeline:
                 self.cache.put(key, rows_of_item)
         rows = [done[key] for key in keys]
         return family.assemble(rows, plans)
+
+    async def _fill_images(self, family: Family, images: Sequence[DecodedImage], plans: Sequence[ItemPlan],
+                           keys: Sequence[str], firsts: Sequence[int], raw: bool, target: RowTarget) -> None:
+        """Write every image's rows at its first row of ``target``, in the pool.
+
+        A cache hit is copied in; an image seen once with no cache is computed block
+        by block straight into the target (``family.write_one``), a large one in
+        horizontal bands on several pool threads; otherwise its rows are computed
+        once, cached, and copied to each of its places.
+        """
+        loop = asyncio.get_running_loop()
+        places: dict[str, list[int]] = {}
+        for key, first in zip(keys, firsts):
+            places.setdefault(key, []).append(first)
+        items = {key: (im, pl) for key, im, pl in zip(keys, images, plans)}
+
+        def stream(im: DecodedImage, pl: ItemPlan, first: int, band: tuple[int, int]) -> None:
+            with target.writer() as put:
+                family.write_one(im, pl, raw, lambda row, block: put(first + row, block), band)
+
+        def copy(rows: np.ndarray | None, im: DecodedImage, pl: ItemPlan, at: list[int]) -> np.ndarray:
+            with target.writer() as put:
+                if rows is None:
+                    rows = family.preprocess_one(im, pl, raw)
+                for first in at:
+                    put(first, rows)
+                return rows
+
+        async def one(key: str, at: list[int], hit: np.ndarray | None) -> np.ndarray | None:
+            im, pl = items[key]
+            if hit is not None or len(at) > 1 or self.cache is not None:
+                return await loop.run_in_executor(self.executor, copy, hit, im, pl, at)
+            parts = max(1, min(self.parallelism, pl.num_patches // BAND_MIN_ROWS))
+            if parts > 1:
+                im = await loop.run_in_executor(self.executor, family.resized, im, pl)
+            await _all_or_none(*(loop.run_in_executor(self.executor, stream, im, pl, at[0], (k, parts))
+                                 for k in range(parts)))
+            return None
+
+        hits = {key: self.cache.get(key) if self.cache is not None else None for key in places}
+        computed = await _all_or_none(*(one(key, at, hits[key]) for key, at in places.items()))
+        if self.cache is not None:
+            for key, rows in zip(places, computed):
+                if hits[key] is None and rows is not None:
+                    self.cache.put(key, rows)
 
     async def _fetch_decode_videos(self, family: Family, refs: Sequence[MediaRef]) -> list[DecodedVideo]:
         """Fetch each distinct URL once; sample and decode each distinct (URL, fps hint) once, one clip per
@@ -414,6 +487,10 @@ class Pipeline:
                 todo[(id(clip), pl)] = loop.run_in_executor(self.executor, family.preprocess_video, clip, pl, raw)
         await _all_or_none(*todo.values())
         return family.assemble_video([todo[(id(c), pl)].result() for c, pl in zip(clips, plans)], plans)
+
+
+#: rows of ``pixel_values`` per band below which a deferred image is not split across threads
+BAND_MIN_ROWS = 1024
 
 
 async def _all_or_none(*aws: Awaitable[Any]) -> list[Any]:

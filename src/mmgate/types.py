@@ -12,8 +12,11 @@ their shape and dtype documented where they are produced.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -193,6 +196,40 @@ class Replacement:
     embed_length: int
 
 
+#: ``write(first_row, rows)``: store ``rows`` (``[b, width]``) at row ``first_row`` of a tensor
+RowWrite = Callable[[int, np.ndarray], None]
+
+
+class RowTarget(Protocol):
+    """Where a :class:`PendingTensor`'s rows go: the buffer that carries them to the engine.
+
+    ``writer()`` opens one writer per pool task (safe to use from several
+    threads at once for disjoint rows); it converts each block to the wire dtype.
+    """
+
+    def writer(self) -> AbstractContextManager[RowWrite]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PendingTensor:
+    """A ``[rows, width]`` encoder input whose values are computed straight into their transport buffer.
+
+    The pipeline returns it (``Pipeline.prepare(..., defer_pixels=True)``) with every
+    refusal done and every size known; the engine adapter chooses the buffer
+    (a shared-memory segment, or the tail of the serialized request) and
+    ``await fill(target)`` computes the rows into it, so the full tensor is
+    written once and never copied.  ``dtype``: float32 (normalized) or uint8 (raw).
+    """
+
+    shape: tuple[int, int]
+    dtype: np.dtype
+    fill: Callable[[RowTarget], Awaitable[None]]
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.shape[1] * self.dtype.itemsize
+
+
 @dataclass(frozen=True, slots=True)
 class EncoderBatch:
     """Preprocessed tensors of all items of one modality, in prompt order.
@@ -202,11 +239,12 @@ class EncoderBatch:
     ``[N, 3]`` and ``patches_per_image`` int64 ``[N]`` (batched).
     Layout follows vLLM ``MultiModalFieldConfig``: ``flat_keys`` maps a flat
     tensor to the batched tensor holding per-item sizes; ``batched_keys`` have
-    first dimension N; ``keep_on_cpu_keys`` stay on the host.
+    first dimension N; ``keep_on_cpu_keys`` stay on the host.  With deferred
+    pixels (gateway router path) ``pixel_values`` is a :class:`PendingTensor`.
     """
 
     modality: Modality
-    tensors: dict[str, np.ndarray]
+    tensors: Mapping[str, np.ndarray | PendingTensor]
     batched_keys: tuple[str, ...]
     flat_keys: dict[str, str]
     keep_on_cpu_keys: tuple[str, ...]

@@ -24,7 +24,7 @@ from PIL import Image
 from mmgate.budget import InflightBudget
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.settings import FetchSettings, Settings, TensorTransport, TransportSettings
-from mmgate.transport.dtypes import to_bfloat16_bits, to_float16
+from mmgate.transport.dtypes import EncoderDtype, to_bfloat16_bits, to_float16
 from mmgate.transport.shm import PREFIX, SHM_DIR
 from tests.conftest import bundle_dir
 from tests.support.fake_worker import FakeWorker, FakeWorkerState
@@ -283,10 +283,115 @@ def test_encoded_request_parses_to_the_built_message() -> None:
     for dtype in (EncoderDtype.FLOAT32, EncoderDtype.BFLOAT16):
         wire = WirePlan(shm=False, shm_min_bytes=0, encoder_dtype=dtype, device_normalize=False)
         built = build_generate_request(prepared, wire)
-        parsed = vllm_engine_pb2.GenerateRequest.FromString(encode_generate_request(prepared, wire))
+        parsed = vllm_engine_pb2.GenerateRequest.FromString(encode_generate_request(prepared, wire).data)
         assert parsed == built
         assert parsed.mm_inputs.pixel_values.dtype == dtype.value
         assert len(parsed.mm_inputs.pixel_values.inline) == prepared.batches[0].tensors["pixel_values"].size * (
             4 if dtype is EncoderDtype.FLOAT32 else 2)
-    assert vllm_engine_pb2.GenerateRequest.FromString(encode_generate_request(prepared_text)) == \
+    assert vllm_engine_pb2.GenerateRequest.FromString(encode_generate_request(prepared_text).data) == \
         build_generate_request(prepared_text)
+
+
+def _prepare_both(body: dict, raw: bool = False, **settings_kw: object) -> tuple:
+    """The same request prepared with arrays and with deferred pixels (same request id)."""
+    import json
+
+    from mmgate.api.app import build_state
+    from mmgate.api.protocol import parse_chat_request
+
+    state = build_state(Settings(model=str(bundle_dir(MODEL)), preprocess_threads=2, **settings_kw))
+    req = parse_chat_request(json.dumps(body).encode())
+
+    async def both() -> tuple:
+        arrays = await state.pipeline.prepare(req, request_id="r", choose_worker=lambda m: raw)
+        deferred = await state.pipeline.prepare(req, request_id="r", choose_worker=lambda m: raw, defer_pixels=True)
+        return arrays, deferred
+
+    return state, asyncio.run(both())
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["normalized", "raw-uint8"])
+def test_deferred_pixels_are_computed_into_the_request_bytes_and_the_segment(raw: bool) -> None:
+    """Rows computed straight into the serialized request / a new segment equal the array path's, in every
+    wire dtype, with a repeated image (written at both of its places) and one large enough to be split
+    across pool threads."""
+    from smg_grpc_proto.generated import vllm_engine_pb2
+
+    from mmgate.engines.vllm import build_generate_request, encode_generate_request
+    from mmgate.transport import shm
+    from mmgate.transport.dtypes import EncoderDtype
+    from mmgate.transport.policy import WirePlan
+    from mmgate.transport.shm import ShmLease
+    from mmgate.types import PendingTensor
+
+    a, b, large = data_url(png(300, 410, 7)), data_url(png(50, 60, 8)), data_url(png(900, 1200, 9))
+    # a twice (computed once, copied to both places), b once (written block by block), large (in bands)
+    state, (arrays, deferred) = _prepare_both(chat([a, b, a, large]), raw=raw)
+    try:
+        pending = deferred.batches[0].tensors["pixel_values"]
+        assert isinstance(pending, PendingTensor)
+        assert pending.shape == arrays.batches[0].tensors["pixel_values"].shape
+        assert deferred.input_ids == arrays.input_ids
+        dtypes = [EncoderDtype.FLOAT32] if raw else list(EncoderDtype)
+        for dtype in dtypes:
+            inline = WirePlan(shm=False, shm_min_bytes=0, encoder_dtype=dtype, device_normalize=raw)
+            encoded = encode_generate_request(deferred, inline)
+            asyncio.run(encoded.fill())
+            assert vllm_engine_pb2.GenerateRequest.FromString(encoded.data) == build_generate_request(arrays, inline)
+            via_shm = WirePlan(shm=True, shm_min_bytes=1024, encoder_dtype=dtype, device_normalize=raw)
+            with ShmLease() as lease_a, ShmLease() as lease_b:
+                expected = build_generate_request(arrays, via_shm, lease_a)
+                encoded = encode_generate_request(deferred, via_shm, lease_b)
+                asyncio.run(encoded.fill())
+                parsed = vllm_engine_pb2.GenerateRequest.FromString(encoded.data)
+                got_pv, want_pv = parsed.mm_inputs.pixel_values, expected.mm_inputs.pixel_values
+                assert got_pv.WhichOneof("payload") == want_pv.WhichOneof("payload") == "shm"
+                assert (list(got_pv.shape), got_pv.dtype) == (list(want_pv.shape), want_pv.dtype)
+                assert shm.read_segment(got_pv.shm.name, 0, got_pv.shm.nbytes) == \
+                    shm.read_segment(want_pv.shm.name, 0, want_pv.shm.nbytes)
+                assert parsed.mm_inputs.mm_hashes == expected.mm_inputs.mm_hashes
+                assert parsed.tokenized.input_ids == expected.tokenized.input_ids
+    finally:
+        state.executor.shutdown()
+
+
+def test_failed_segment_falls_back_to_inline_and_is_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    from smg_grpc_proto.generated import vllm_engine_pb2
+
+    from mmgate import metrics
+    from mmgate.engines.vllm import build_generate_request, encode_generate_request
+    from mmgate.transport import shm
+    from mmgate.transport.policy import WirePlan
+    from mmgate.transport.shm import ShmLease
+
+    def full(nbytes: int) -> str:
+        raise shm.ShmError("cannot reserve segment (ENOSPC)")
+
+    state, (arrays, deferred) = _prepare_both(chat([data_url(png(120, 160, 3))]))
+    try:
+        monkeypatch.setattr(shm, "create_segment", full)
+        failures = metrics.SHM_WRITE_FAILURES.labels("vllm")
+        wire = WirePlan(shm=True, shm_min_bytes=1024, encoder_dtype=EncoderDtype.FLOAT32, device_normalize=False)
+        before = failures._value.get()
+        with ShmLease() as lease:
+            encoded = encode_generate_request(deferred, wire, lease)
+            asyncio.run(encoded.fill())
+            assert lease.names == []
+        parsed = vllm_engine_pb2.GenerateRequest.FromString(encoded.data)
+        assert parsed.mm_inputs.pixel_values.WhichOneof("payload") == "inline"
+        inline = WirePlan(shm=False, shm_min_bytes=0, encoder_dtype=EncoderDtype.FLOAT32, device_normalize=False)
+        assert parsed == build_generate_request(arrays, inline)
+        assert failures._value.get() == before + 1
+    finally:
+        state.executor.shutdown()
+
+
+def test_a_segment_added_after_the_request_ended_is_unlinked_at_once() -> None:
+    from mmgate.transport import shm
+
+    lease = shm.ShmLease()
+    lease.add(shm.create_segment(4096))
+    assert lease.release() == 1
+    late = shm.create_segment(4096)
+    lease.add(late)  # a pool task finishing after the request failed
+    assert not os.path.exists(os.path.join(SHM_DIR, late))

@@ -79,3 +79,22 @@ def test_raw_uint8_rows_and_temporal_repeat(temporal: int) -> None:
     assert got.dtype == np.uint8
     assert np.array_equal(got, geometry.patchify_qwen(image, 16, 2, temporal))
     assert patch_rows_u8(image, 16, 2).shape == (8, 3, 256)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 5])
+def test_bands_write_disjoint_row_ranges_that_cover_the_image(parts: int) -> None:
+    mean, std = CLIP
+    lut = geometry.normalize_lut(ImageBackend.PIL, 1 / 255, mean, std, True, True)
+    normalizer = RowNormalizer.for_table(lut, 1 / 255, mean, std, True, True)
+    image = np.random.default_rng(parts).integers(0, 256, (28 * 7, 28 * 4, 3), dtype=np.uint8)
+    expected = _reference_rows(image, lut, 14, 2)
+    out = np.full(expected.shape, np.nan, dtype=np.float32)
+    written = np.zeros(len(expected), dtype=np.int64)
+
+    def sink(first: int, rows: np.ndarray) -> None:
+        out[first:first + len(rows)] = rows
+        written[first:first + len(rows)] += 1
+
+    total = sum(write_rows(image, 14, 2, 2, normalizer, sink, block_rows=5, band=(k, parts)) for k in range(parts))
+    assert total == len(expected) and (written == 1).all()
+    assert np.array_equal(out.view(np.uint32), expected.view(np.uint32))

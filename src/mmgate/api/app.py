@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -43,7 +44,7 @@ from mmgate.routing.workers import Worker, WorkerRegistry
 from mmgate.settings import Settings
 from mmgate.transport.policy import WirePlan, wire_plan
 from mmgate.transport.shm import ShmLease, sweep_dead_segments
-from mmgate.types import Modality
+from mmgate.types import Modality, PendingTensor, PreparedRequest
 
 log = logging.getLogger("mmgate.api")
 
@@ -83,7 +84,7 @@ def build_state(settings: Settings) -> GatewayState:
         log.info("removed %d shared-memory segments left by dead processes", swept)
     log.info("serving %s (model_type %s, image backend %s)", runtime.served_name, bundle.model_type, backend.value)
     return GatewayState(settings=settings, runtime=runtime,
-                        pipeline=Pipeline(runtime, settings, fetcher, executor, cache),
+                        pipeline=Pipeline(runtime, settings, fetcher, executor, cache, parallelism=threads),
                         workers=WorkerRegistry(settings.worker_urls), fetcher=fetcher, executor=executor,
                         budget=InflightBudget(settings.transport.max_inflight_bytes, settings.transport.budget_wait_s),
                         started=time.time())
@@ -118,6 +119,20 @@ def body_limit_for(settings: Settings) -> int:
         return settings.max_request_body_bytes
     fs = settings.fetch
     return max(fs.image_max_bytes, fs.video_max_bytes, fs.audio_max_bytes) * 4 // 3 + 1024 * 1024
+
+
+def _encode_is_heavy(prepared: PreparedRequest, wire: WirePlan) -> bool:
+    """Whether encoding copies a large array or reserves shared memory (then it runs in the pool)."""
+    for batch in prepared.batches:
+        for tensor in batch.tensors.values():
+            if isinstance(tensor, PendingTensor) and wire.shm:
+                return True
+            if isinstance(tensor, np.ndarray) and tensor.nbytes >= _HEAVY_BYTES:
+                return True
+    return False
+
+
+_HEAVY_BYTES = 1 << 20
 
 
 def _timing_header(timings: dict[str, float]) -> str:
@@ -164,7 +179,7 @@ def create_app(state: GatewayState) -> FastAPI:
             chosen.append((worker, wire))
             return wire.device_normalize
 
-        prepared = await state.pipeline.prepare(req, choose_worker=choose_worker)
+        prepared = await state.pipeline.prepare(req, choose_worker=choose_worker, defer_pixels=True)
         worker, wire = chosen[0]
         timings = prepared.timings_ms
         grant = await state.budget.acquire(sum(b.nbytes for b in prepared.batches))
@@ -173,14 +188,18 @@ def create_app(state: GatewayState) -> FastAPI:
 
         try:
             with metrics.stage("assemble", timings):
-                if prepared.batches:
-                    msg = await asyncio.get_running_loop().run_in_executor(
+                if _encode_is_heavy(prepared, wire):
+                    encoded = await asyncio.get_running_loop().run_in_executor(
                         state.executor, encode_generate_request, prepared, wire, lease)
                 else:
-                    msg = encode_generate_request(prepared, wire, lease)
+                    encoded = encode_generate_request(prepared, wire, lease)
+            if encoded.pending:
+                # Deferred pixels: computed now, straight into the segment or the request bytes.
+                with metrics.stage("preprocess", timings):
+                    await encoded.fill()
             metrics.PROMPT_TOKENS.inc(len(prepared.input_ids))
             assert worker.client is not None
-            responses = worker.client.generate(msg)
+            responses = worker.client.generate(encoded.data)
         except BaseException:
             release()
             raise

@@ -34,11 +34,12 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb
 from mmgate import metrics
 from mmgate.errors import ERROR_TABLE, ErrorCode, GatewayError
 from mmgate.transport import shm
-from mmgate.transport.dtypes import convert_encoder_input
+from mmgate.transport.dtypes import EncoderDtype, convert_encoder_input, to_bfloat16_bits, to_float16
 from mmgate.transport.inline import to_tensor_data, wire_dtype_name
+from mmgate.transport.placement import BufferTarget, Convert, ShmTarget, identity, new_bytes
 from mmgate.transport.policy import INLINE_FLOAT32, WirePlan
 from mmgate.transport.shm import ShmLease
-from mmgate.types import EncoderBatch, MediaRef, Modality, PreparedRequest
+from mmgate.types import EncoderBatch, MediaRef, Modality, PendingTensor, PreparedRequest, RowTarget
 
 ENGINE = "vllm"
 PRIMARY_KEY = "pixel_values"
@@ -130,7 +131,7 @@ def _tensor_data(array: np.ndarray, dtype_name: str, wire: WirePlan,
 
 def build_mm_inputs(batch: EncoderBatch, wire: WirePlan = INLINE_FLOAT32,
                     lease: ShmLease | None = None) -> vllm_engine_pb2.MultimodalInputs:
-    """One :class:`EncoderBatch` -> ``MultimodalInputs``.
+    """One :class:`EncoderBatch` of arrays -> ``MultimodalInputs``.
 
     The primary float32 tensor is converted to ``wire.encoder_dtype``; each
     tensor of at least ``wire.shm_min_bytes`` goes through shared memory when
@@ -146,6 +147,7 @@ def build_mm_inputs(batch: EncoderBatch, wire: WirePlan = INLINE_FLOAT32,
         modality=_MODALITY[batch.modality],
     )
     for name, array in batch.tensors.items():
+        assert isinstance(array, np.ndarray), "a pending tensor is placed by encode_generate_request"
         dtype_name = ""
         if name == PRIMARY_KEY:
             array, dtype_name = convert_encoder_input(array, wire.encoder_dtype)
@@ -157,8 +159,57 @@ def build_mm_inputs(batch: EncoderBatch, wire: WirePlan = INLINE_FLOAT32,
     return mm
 
 
-def _build(req: PreparedRequest, wire: WirePlan, lease: ShmLease | None,
-           defer_primary: bool) -> tuple[vllm_engine_pb2.GenerateRequest, np.ndarray | None]:
+def _wire_form(dtype: np.dtype, encoder_dtype: EncoderDtype) -> tuple[str, int, Convert]:
+    """(wire dtype name, bytes per value, block conversion) of a pending primary tensor."""
+    if dtype != np.float32 or encoder_dtype is EncoderDtype.FLOAT32:
+        return wire_dtype_name(np.empty(0, dtype=dtype)), dtype.itemsize, identity
+    if encoder_dtype is EncoderDtype.BFLOAT16:
+        return "bfloat16", 2, to_bfloat16_bits
+    return "float16", 2, to_float16
+
+
+@dataclass(frozen=True, slots=True)
+class _InlineTail:
+    """A tensor whose inline bytes go at the end of the serialized request."""
+
+    nbytes: int
+    array: np.ndarray | None = None  # computed values (one copy into the request)
+    pending: PendingTensor | None = None  # computed straight into the request
+    width: int = 0
+    itemsize: int = 0
+    convert: Convert = identity
+
+
+def _place_pending(pending: PendingTensor, wire: WirePlan, lease: ShmLease | None, first: bool,
+                   targets: list[tuple[PendingTensor, RowTarget]]) -> tuple[vllm_engine_pb2.TensorData, _InlineTail | None]:
+    """The ``TensorData`` of a pending primary tensor: a new shm segment (its target recorded in
+    ``targets``) when the plan allows, else inline at the end of the request (first batch only)."""
+    rows, width = pending.shape
+    dtype_name, itemsize, convert = _wire_form(pending.dtype, wire.encoder_dtype)
+    nbytes = rows * width * itemsize
+    shape = [rows, width]
+    if lease is not None and wire.use_shm(nbytes):
+        try:
+            name = shm.create_segment(nbytes)
+        except shm.ShmError:
+            metrics.SHM_WRITE_FAILURES.labels(ENGINE).inc()
+        else:
+            lease.add(name)
+            targets.append((pending, ShmTarget(name, width, itemsize, convert)))
+            metrics.MM_TENSORS.labels(ENGINE, "shm").inc()
+            metrics.MM_TENSOR_BYTES.labels(ENGINE, "shm").inc(nbytes)
+            handle = common_pb2.ShmHandle(name=name, offset=0, nbytes=nbytes, owner_id=f"mmgate-{os.getpid()}")
+            return vllm_engine_pb2.TensorData(shape=shape, dtype=dtype_name, shm=handle), None
+    assert first, "the pipeline defers only the first batch's pixels"
+    metrics.MM_TENSORS.labels(ENGINE, "inline").inc()
+    metrics.MM_TENSOR_BYTES.labels(ENGINE, "inline").inc(nbytes)
+    return (vllm_engine_pb2.TensorData(shape=shape, dtype=dtype_name),
+            _InlineTail(nbytes=nbytes, pending=pending, width=width, itemsize=itemsize, convert=convert))
+
+
+def _build(req: PreparedRequest, wire: WirePlan, lease: ShmLease | None, defer_primary: bool,
+           targets: list[tuple[PendingTensor, RowTarget]] | None = None,
+           ) -> tuple[vllm_engine_pb2.GenerateRequest, _InlineTail | None]:
     s = req.sampling
     sampling = vllm_engine_pb2.SamplingParams(
         top_p=s.top_p, top_k=s.top_k, frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
@@ -177,36 +228,45 @@ def _build(req: PreparedRequest, wire: WirePlan, lease: ShmLease | None,
         sampling_params=sampling,
         stream=req.stream,
     )
-    deferred: np.ndarray | None = None
+    tail: _InlineTail | None = None
     for i, batch in enumerate(req.batches):
-        if i == 0 and defer_primary and PRIMARY_KEY in batch.tensors:
-            primary, dtype_name = convert_encoder_input(batch.tensors[PRIMARY_KEY], wire.encoder_dtype)
-            if not (lease is not None and wire.use_shm(primary.nbytes)):
-                # Sent inline: serialize everything else now, append these bytes once at the end.
-                rest = EncoderBatch(
-                    modality=batch.modality, tensors={k: v for k, v in batch.tensors.items() if k != PRIMARY_KEY},
-                    batched_keys=batch.batched_keys, flat_keys=batch.flat_keys,
-                    keep_on_cpu_keys=batch.keep_on_cpu_keys, placeholder_token_id=batch.placeholder_token_id,
-                    placeholders=batch.placeholders, mm_hashes=batch.mm_hashes)
-                mm = build_mm_inputs(rest, wire, lease)
-                mm.pixel_values.CopyFrom(vllm_engine_pb2.TensorData(
-                    shape=list(primary.shape), dtype=dtype_name or wire_dtype_name(primary)))
-                msg.mm_inputs.CopyFrom(mm)
-                deferred = np.ascontiguousarray(primary)
-                metrics.MM_TENSORS.labels(ENGINE, "inline").inc()
-                metrics.MM_TENSOR_BYTES.labels(ENGINE, "inline").inc(deferred.nbytes)
-                continue
-        mm = build_mm_inputs(batch, wire, lease)
+        primary = batch.tensors.get(PRIMARY_KEY)
+        if isinstance(primary, PendingTensor) or (i == 0 and defer_primary and primary is not None):
+            rest = EncoderBatch(
+                modality=batch.modality, tensors={k: v for k, v in batch.tensors.items() if k != PRIMARY_KEY},
+                batched_keys=batch.batched_keys, flat_keys=batch.flat_keys,
+                keep_on_cpu_keys=batch.keep_on_cpu_keys, placeholder_token_id=batch.placeholder_token_id,
+                placeholders=batch.placeholders, mm_hashes=batch.mm_hashes)
+            mm = build_mm_inputs(rest, wire, lease)
+            if isinstance(primary, PendingTensor):
+                assert targets is not None, "a pending tensor needs encode_generate_request"
+                td, tail_i = _place_pending(primary, wire, lease, i == 0, targets)
+                mm.pixel_values.CopyFrom(td)
+                tail = tail_i or tail
+            else:
+                assert primary is not None
+                array, dtype_name = convert_encoder_input(primary, wire.encoder_dtype)
+                if lease is not None and wire.use_shm(array.nbytes):
+                    mm.pixel_values.CopyFrom(_tensor_data(array, dtype_name, wire, lease))
+                else:
+                    # Sent inline: serialize everything else now, append these bytes once at the end.
+                    mm.pixel_values.CopyFrom(vllm_engine_pb2.TensorData(
+                        shape=list(array.shape), dtype=dtype_name or wire_dtype_name(array)))
+                    tail = _InlineTail(nbytes=array.nbytes, array=np.ascontiguousarray(array))
+                    metrics.MM_TENSORS.labels(ENGINE, "inline").inc()
+                    metrics.MM_TENSOR_BYTES.labels(ENGINE, "inline").inc(array.nbytes)
+        else:
+            mm = build_mm_inputs(batch, wire, lease)
         if i == 0:
             msg.mm_inputs.CopyFrom(mm)
         else:
             msg.extra_mm_inputs.append(mm)
-    return msg, deferred
+    return msg, tail
 
 
 def build_generate_request(req: PreparedRequest, wire: WirePlan = INLINE_FLOAT32,
                            lease: ShmLease | None = None) -> vllm_engine_pb2.GenerateRequest:
-    """The ``GenerateRequest`` for a prepared request (expanded ids, sampling, media).
+    """The ``GenerateRequest`` for a prepared request of arrays (expanded ids, sampling, media).
 
     Shared-memory segments it creates are recorded in ``lease``; the caller
     releases the lease when the engine has answered or the request ended.
@@ -228,27 +288,57 @@ def _varint(n: int) -> bytes:
 _TAG_MM_INPUTS, _TAG_PIXEL_VALUES, _TAG_INLINE = b"\x3a", b"\x12", b"\x0a"
 
 
+def _inline_record_prefix(nbytes: int) -> bytes:
+    """``mm_inputs { pixel_values { inline: <nbytes bytes> } }`` up to the payload."""
+    l2 = 1 + len(_varint(nbytes)) + nbytes
+    l3 = 1 + len(_varint(l2)) + l2
+    return b"".join((_TAG_MM_INPUTS, _varint(l3), _TAG_PIXEL_VALUES, _varint(l2), _TAG_INLINE, _varint(nbytes)))
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedRequest:
+    """A serialized ``GenerateRequest``; ``await fill()`` computes its pending tensors in place.
+
+    ``data`` is complete once ``fill`` has returned (at once when ``pending`` is empty).
+    """
+
+    data: bytes
+    pending: tuple[tuple[PendingTensor, RowTarget], ...] = ()
+
+    async def fill(self) -> None:
+        for tensor, target in self.pending:
+            await tensor.fill(target)
+
+
 def encode_generate_request(req: PreparedRequest, wire: WirePlan = INLINE_FLOAT32,
-                            lease: ShmLease | None = None) -> bytes:
-    """The serialized ``GenerateRequest``, with the large inline tensor copied exactly once.
+                            lease: ShmLease | None = None) -> EncodedRequest:
+    """The serialized ``GenerateRequest``, with the large inline tensor written exactly once.
 
     Everything but the first batch's inline ``pixel_values`` bytes is
-    serialized by protobuf; those bytes are appended as one more
+    serialized by protobuf; those bytes follow as one more
     ``mm_inputs { pixel_values { inline } }`` record.  Protobuf merges repeated
     occurrences of a singular message field, so the parsed message equals
-    ``build_generate_request(...)`` (tested), while the payload skips the
-    message-object copies.
+    ``build_generate_request(...)`` (tested).  A :class:`PendingTensor` gets its
+    buffer here, a new shared-memory segment or that record's payload inside
+    ``data``, and is computed into it by ``EncodedRequest.fill``; an array is
+    copied into ``data`` once.
+
+    Raises:
+        ShmError: never; a shared-memory failure falls back to inline (counted).
     """
-    msg, deferred = _build(req, wire, lease, defer_primary=True)
+    targets: list[tuple[PendingTensor, RowTarget]] = []
+    msg, tail = _build(req, wire, lease, defer_primary=True, targets=targets)
     head = msg.SerializeToString()
-    if deferred is None:
-        return head
-    data = deferred.reshape(-1).view(np.uint8).data
-    l1 = len(data)
-    l2 = 1 + len(_varint(l1)) + l1
-    l3 = 1 + len(_varint(l2)) + l2
-    return b"".join((head, _TAG_MM_INPUTS, _varint(l3), _TAG_PIXEL_VALUES, _varint(l2), _TAG_INLINE, _varint(l1),
-                     data))
+    if tail is None:
+        return EncodedRequest(head, tuple(targets))
+    prefix = head + _inline_record_prefix(tail.nbytes)
+    if tail.array is not None:
+        return EncodedRequest(b"".join((prefix, tail.array.reshape(-1).view(np.uint8).data)), tuple(targets))
+    assert tail.pending is not None
+    data, view = new_bytes(len(prefix) + tail.nbytes)
+    view[:len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
+    target = BufferTarget(view[len(prefix):], tail.width, tail.itemsize, tail.convert, owner=data)
+    return EncodedRequest(data, (*targets, (tail.pending, target)))
 
 
 def build_media_ref_request(req: PreparedRequest, refs: Sequence[MediaRef]) -> vllm_engine_pb2.GenerateRequest:

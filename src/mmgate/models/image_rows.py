@@ -111,29 +111,41 @@ def patch_rows_u8(image: npt.NDArray[np.uint8], patch_size: int, merge_size: int
 
 
 def write_rows(image: npt.NDArray[np.uint8], patch_size: int, merge_size: int, temporal_patch_size: int,
-               normalizer: RowNormalizer | None, sink: RowSink, block_rows: int = BLOCK_ROWS) -> int:
+               normalizer: RowNormalizer | None, sink: RowSink, block_rows: int = BLOCK_ROWS,
+               band: tuple[int, int] = (0, 1)) -> int:
     """Patchify + normalize ``image`` and hand its rows to ``sink`` block by block; returns the row count.
 
     Rows are ``[C, T, p, p]`` flattened, each patch repeated ``temporal_patch_size``
     times along T (transformers 5.24 ``Qwen2VLImageProcessor.patchify`` of a single
     image).  ``normalizer`` None: raw uint8 values (``mm_device_do_normalize``).
+
+    ``band=(k, n)``: only the k-th of n horizontal bands (whole rows of merged
+    patches, whose output rows are contiguous), so n tasks can write one image
+    in parallel; ``sink`` still receives image-wide row numbers.
     """
-    src = patch_rows_u8(image, patch_size, merge_size)
+    k, parts = band
+    unit = patch_size * merge_size
+    merged_rows = image.shape[0] // unit
+    r0, r1 = merged_rows * k // parts, merged_rows * (k + 1) // parts
+    offset = r0 * merge_size * (image.shape[1] // patch_size)
+    src = patch_rows_u8(image[r0 * unit:r1 * unit], patch_size, merge_size)
     n, channels, area = src.shape
     t = temporal_patch_size
     dtype = np.dtype(np.uint8) if normalizer is None else np.dtype(np.float32)
     buf = np.empty((min(block_rows, n), channels, t, area), dtype=dtype)
+    # Normalize into a contiguous scratch block (strided float ufuncs are ~2x slower), then repeat along T.
+    scratch = np.empty((min(block_rows, n), channels, area), dtype=np.float32) if normalizer is not None else None
     for start in range(0, n, block_rows):
         stop = min(start + block_rows, n)
         block = buf[:stop - start]
-        first = block[:, :, 0]
-        if normalizer is None:
-            first[...] = src[start:stop]
+        if normalizer is None or scratch is None:
+            values: np.ndarray = src[start:stop]
         else:
-            normalizer(src[start:stop], first)
-        for k in range(1, t):
-            block[:, :, k] = first
-        sink(start, block.reshape(stop - start, channels * t * area))
+            values = scratch[:stop - start]
+            normalizer(src[start:stop], values)
+        for k in range(t):
+            block[:, :, k] = values
+        sink(offset + start, block.reshape(stop - start, channels * t * area))
     return n
 
 

@@ -49,6 +49,7 @@ from mmgate.types import (
     ItemHints,
     ItemPlan,
     Modality,
+    PendingTensor,
     Replacement,
     VideoMeta,
     VideoPlan,
@@ -223,14 +224,18 @@ class QwenVLFamily:
             num_patches=gh * gw, num_tokens=gh * gw // (p.merge_size**2),
         )
 
-    def _resized(self, image: DecodedImage, plan: ItemPlan) -> np.ndarray:
-        """The uint8 pixels at ``plan.resized_hw``.  No resize when the size is unchanged: both
-        references return the image as it is then (``PIL.Image.resize`` returns a copy,
-        torchvision's ``resize_image`` the input), so the values are the same."""
+    def resized(self, image: DecodedImage, plan: ItemPlan) -> DecodedImage:
+        """``image`` with its pixels at ``plan.resized_hw`` (itself when the size is unchanged).
+
+        No resize when the size is unchanged: both references return the image as
+        it is then (``PIL.Image.resize`` returns a copy, torchvision's
+        ``resize_image`` the input), so the values are the same.
+        """
         p = self.image
-        if p.do_resize and plan.resized_hw != image.pixels.shape[:2]:
-            return geometry.resize_uint8(image.pixels, plan.resized_hw, p.resample, self.backend)
-        return image.pixels
+        if not p.do_resize or plan.resized_hw == image.pixels.shape[:2]:
+            return image
+        pixels = geometry.resize_uint8(image.pixels, plan.resized_hw, p.resample, self.backend)
+        return DecodedImage(pixels=pixels, content_hash=image.content_hash, num_bytes=image.num_bytes)
 
     def preprocess_one(self, image: DecodedImage, plan: ItemPlan, raw: bool = False) -> np.ndarray:
         """One image -> ``[grid_h*grid_w, C*T*P*P]`` rows of ``pixel_values``.
@@ -240,24 +245,35 @@ class QwenVLFamily:
         normalizes on device (``mm_device_do_normalize``).
         """
         p = self.image
-        return image_rows(self._resized(image, plan), p.patch_size, p.merge_size, p.temporal_patch_size,
+        return image_rows(self.resized(image, plan).pixels, p.patch_size, p.merge_size, p.temporal_patch_size,
                           None if raw else self._normalizer)
 
-    def write_one(self, image: DecodedImage, plan: ItemPlan, raw: bool, sink: RowSink) -> int:
+    def write_one(self, image: DecodedImage, plan: ItemPlan, raw: bool, sink: RowSink,
+                  band: tuple[int, int] = (0, 1)) -> int:
         """:meth:`preprocess_one` handing its rows to ``sink(first_row, rows)`` block by block
-        (``image_rows.write_rows``); returns the row count."""
+        (``image_rows.write_rows``, ``band`` as there); returns the rows written.  Pass an image
+        already :meth:`resized` when writing it in several bands."""
         p = self.image
-        return write_rows(self._resized(image, plan), p.patch_size, p.merge_size, p.temporal_patch_size,
-                          None if raw else self._normalizer, sink)
+        return write_rows(self.resized(image, plan).pixels, p.patch_size, p.merge_size, p.temporal_patch_size,
+                          None if raw else self._normalizer, sink, band=band)
 
-    def assemble(self, rows: Sequence[np.ndarray], plans: Sequence[ItemPlan]) -> EncoderBatch:
-        """Stack per-image rows into the batch the engine receives (no placeholders yet)."""
+    @property
+    def row_width(self) -> int:
+        """Values per ``pixel_values`` row: ``C*T*P*P``."""
+        return self.image.patch_dim
+
+    def assemble(self, rows: Sequence[np.ndarray], plans: Sequence[ItemPlan],
+                 pixel_values: PendingTensor | None = None) -> EncoderBatch:
+        """Stack per-image rows into the batch the engine receives (no placeholders yet).
+
+        ``pixel_values``: the rows of all ``plans`` still to be computed (``rows`` is then empty).
+        """
         grid = np.array([pl.grid_thw for pl in plans], dtype=np.int64).reshape(len(plans), 3)
         return EncoderBatch(
             modality=Modality.IMAGE,
             tensors={
-                "pixel_values": geometry.concat_rows(rows, self.image.patch_dim,
-                                                     rows[0].dtype if rows else np.dtype(np.float32)),
+                "pixel_values": pixel_values if pixel_values is not None else geometry.concat_rows(
+                    rows, self.image.patch_dim, rows[0].dtype if rows else np.dtype(np.float32)),
                 "image_grid_thw": grid,
                 "patches_per_image": np.array([pl.num_patches for pl in plans], dtype=np.int64),
             },

@@ -15,6 +15,7 @@ import numpy as np
 
 from mmgate.chat.tokenizer import BundleTokenizer
 from mmgate.models.bundle import ModelBundle
+from mmgate.models.image_rows import RowSink
 from mmgate.models.qwen_vl import QwenVLFamily
 from mmgate.settings import ImageBackend
 from mmgate.types import (
@@ -24,6 +25,7 @@ from mmgate.types import (
     ItemHints,
     ItemPlan,
     Modality,
+    PendingTensor,
     Replacement,
     VideoMeta,
     VideoPlan,
@@ -47,7 +49,16 @@ class Family(Protocol):
 
     def preprocess_one(self, image: DecodedImage, plan: ItemPlan, raw: bool = False) -> np.ndarray: ...
 
-    def assemble(self, rows: Sequence[np.ndarray], plans: Sequence[ItemPlan]) -> EncoderBatch: ...
+    def resized(self, image: DecodedImage, plan: ItemPlan) -> DecodedImage: ...
+
+    def write_one(self, image: DecodedImage, plan: ItemPlan, raw: bool, sink: RowSink,
+                  band: tuple[int, int] = (0, 1)) -> int: ...
+
+    @property
+    def row_width(self) -> int: ...
+
+    def assemble(self, rows: Sequence[np.ndarray], plans: Sequence[ItemPlan],
+                 pixel_values: PendingTensor | None = None) -> EncoderBatch: ...
 
     def expand(self, plan: ItemPlan) -> Replacement: ...
 

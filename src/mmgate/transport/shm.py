@@ -27,7 +27,7 @@ import errno
 import os
 import secrets
 import stat
-from dataclasses import dataclass, field
+import threading
 from functools import lru_cache
 
 import numpy as np
@@ -63,6 +63,73 @@ def validate_name(name: str) -> str:
     return bare
 
 
+def create_segment(nbytes: int) -> str:
+    """Create a new segment of ``nbytes`` bytes, its memory reserved (``posix_fallocate``); returns its name.
+
+    Reserving up front makes a full ``/dev/shm`` fail here, where the caller can
+    still fall back to inline, and not halfway through writing.
+
+    Raises:
+        ShmError: the segment could not be created or reserved (nothing is left behind).
+    """
+    name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise ShmError(f"cannot create segment ({errno.errorcode.get(exc.errno or 0, exc.errno)})") from None
+    try:
+        if nbytes:
+            os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        unlink(name)
+        raise ShmError(f"cannot reserve segment ({errno.errorcode.get(exc.errno or 0, exc.errno)})") from None
+    finally:
+        os.close(fd)
+    return name
+
+
+class SegmentWriter:
+    """Writes into a segment made by :func:`create_segment` through its own descriptor.
+
+    A context manager, so each writer (one per pool task) owns and closes its
+    descriptor: a request that ends while a task still writes only unlinks the
+    name; the memory goes when the last descriptor closes.
+
+    Raises:
+        ShmError: the segment is gone (the request ended), or a write failed.
+    """
+
+    def __init__(self, name: str) -> None:
+        try:
+            self._fd = os.open(os.path.join(SHM_DIR, validate_name(name)), os.O_WRONLY | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise ShmError(f"cannot open segment ({errno.errorcode.get(exc.errno or 0, exc.errno)})") from None
+
+    def write(self, offset: int, data: np.ndarray) -> None:
+        """Write ``data``'s bytes (C order) at byte ``offset``."""
+        view = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
+        written, total = 0, len(view)
+        try:
+            while written < total:
+                n = os.pwrite(self._fd, view[written:], offset + written)
+                if n <= 0:
+                    raise OSError(errno.EIO, "short write")
+                written += n
+        except OSError as exc:
+            raise ShmError(f"cannot write segment ({errno.errorcode.get(exc.errno or 0, exc.errno)})") from None
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> SegmentWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def write_segment(array: np.ndarray) -> str:
     """Write ``array``'s bytes (C order) into a new segment; returns its name.
 
@@ -70,26 +137,13 @@ def write_segment(array: np.ndarray) -> str:
         ShmError: the segment could not be created or fully written (the partial
             segment is removed).
     """
-    data = np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
-    name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-    path = os.path.join(SHM_DIR, name)
+    name = create_segment(array.nbytes)
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
-    except OSError as exc:
-        raise ShmError(f"cannot create segment ({errno.errorcode.get(exc.errno or 0, exc.errno)})") from None
-    try:
-        written = 0
-        total = len(data)
-        while written < total:
-            n = os.pwrite(fd, data[written:], written)
-            if n <= 0:
-                raise OSError(errno.EIO, "short write")
-            written += n
-    except OSError as exc:
-        os.close(fd)
+        with SegmentWriter(name) as writer:
+            writer.write(0, array)
+    except ShmError:
         unlink(name)
-        raise ShmError(f"cannot write segment ({errno.errorcode.get(exc.errno or 0, exc.errno)})") from None
-    os.close(fd)
+        raise
     return name
 
 
@@ -153,20 +207,31 @@ def sweep_dead_segments() -> int:
     return removed
 
 
-@dataclass
 class ShmLease:
-    """The segments of one request; unlinks whatever is left when the request ends."""
+    """The segments of one request; unlinks whatever is left when the request ends.
 
-    names: list[str] = field(default_factory=list)
+    Thread-safe: a segment created by a pool task after the request ended
+    (``release`` already called) is unlinked at once by :meth:`add`.
+    """
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self._closed = False
+        self._lock = threading.Lock()
 
     def add(self, name: str) -> None:
-        self.names.append(name)
+        with self._lock:
+            if not self._closed:
+                self.names.append(name)
+                return
+        unlink(name)
 
     def release(self) -> int:
-        """Unlink every segment still present; returns how many were still there."""
-        left = sum(1 for n in self.names if unlink(n))
-        self.names.clear()
-        return left
+        """Unlink every segment still present (and any added later); returns how many were still there."""
+        with self._lock:
+            self._closed = True
+            names, self.names = self.names, []
+        return sum(1 for n in names if unlink(n))
 
     def __enter__(self) -> ShmLease:
         return self

@@ -1,0 +1,98 @@
+"""Row targets: where a :class:`~mmgate.types.PendingTensor` writes its rows.
+
+Stage: transport.  The engine adapter picks the buffer that will carry the
+tensor and the pipeline's pool tasks write each block of rows into it once,
+converted to the wire dtype on the way (float32 -> bfloat16/float16 is
+elementwise, so converting block by block gives the same bytes as converting
+the whole tensor):
+
+* :class:`ShmTarget`: a shared-memory segment (``shm.create_segment``), one
+  ``pwrite`` per block through the task's own descriptor;
+* :class:`BufferTarget`: a writable byte range, here the payload of the
+  serialized ``GenerateRequest`` (:func:`new_bytes`), so the request that
+  grpc sends is the buffer the rows were computed into.
+
+:func:`new_bytes` allocates a ``bytes`` object with uninitialized contents
+(CPython ``PyBytes_FromStringAndSize(NULL, n)``, the documented C-API way to
+build a bytes object in place) and returns a writable numpy view of it: grpc's
+Python API takes only ``bytes``, and this avoids a full copy of a payload that
+is tens of megabytes.  The bytes object is written only before it is handed
+to anyone (never hashed, never shared while being written).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import numpy as np
+
+from mmgate.transport import shm
+from mmgate.types import RowWrite
+
+#: converts one float32/uint8 block to its wire representation (identity for float32 and uint8)
+Convert = Callable[[np.ndarray], np.ndarray]
+
+_PyBytes_FromStringAndSize = ctypes.pythonapi.PyBytes_FromStringAndSize
+_PyBytes_FromStringAndSize.restype = ctypes.py_object
+_PyBytes_FromStringAndSize.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+_PyBytes_AsString = ctypes.pythonapi.PyBytes_AsString
+_PyBytes_AsString.restype = ctypes.c_void_p
+_PyBytes_AsString.argtypes = (ctypes.py_object,)
+
+
+def new_bytes(nbytes: int) -> tuple[bytes, np.ndarray]:
+    """A new ``bytes`` of ``nbytes`` uninitialized bytes and a writable uint8 view ``[nbytes]`` of them.
+
+    The caller keeps the bytes object alive while it uses the view, fills every
+    byte, and hands the bytes on only when done.
+    """
+    data: bytes = _PyBytes_FromStringAndSize(None, nbytes)
+    if nbytes == 0:
+        return data, np.zeros(0, dtype=np.uint8)
+    address = _PyBytes_AsString(data)
+    view = np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(address))
+    return data, view
+
+
+def identity(block: np.ndarray) -> np.ndarray:
+    """The block as it is (float32 or uint8 on the wire)."""
+    return block
+
+
+class BufferTarget:
+    """Rows ``[rows, width]`` of ``itemsize``-byte values stored in a writable uint8 range ``view``."""
+
+    def __init__(self, view: np.ndarray, width: int, itemsize: int, convert: Convert = identity,
+                 owner: object = None) -> None:
+        self._view = view
+        self._row_bytes = width * itemsize
+        self._convert = convert
+        self._owner = owner  # keeps the memory behind ``view`` alive
+
+    @contextmanager
+    def writer(self) -> Iterator[RowWrite]:
+        def write(first_row: int, rows: np.ndarray) -> None:
+            raw = np.ascontiguousarray(self._convert(rows)).reshape(-1).view(np.uint8)
+            start = first_row * self._row_bytes
+            self._view[start:start + raw.size] = raw
+
+        yield write
+
+
+class ShmTarget:
+    """Rows ``[rows, width]`` of ``itemsize``-byte values stored in the shared-memory segment ``name``."""
+
+    def __init__(self, name: str, width: int, itemsize: int, convert: Convert = identity) -> None:
+        self.name = name
+        self._row_bytes = width * itemsize
+        self._convert = convert
+
+    @contextmanager
+    def writer(self) -> Iterator[RowWrite]:
+        with shm.SegmentWriter(self.name) as segment:
+            def write(first_row: int, rows: np.ndarray) -> None:
+                segment.write(first_row * self._row_bytes, self._convert(rows))
+
+            yield write
