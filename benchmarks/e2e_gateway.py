@@ -48,7 +48,15 @@ from typing import Any
 import httpx
 
 from bench_report import MODELS_DIR, REPO_ROOT, SIZES, environment, median, quantile, render_table, sample_jpeg, write_json
-from gateway_procs import RssSampler, mmgate_has_transport_flags, start_null_worker, start_smg, tree_cpu, tree_kb
+from gateway_procs import (
+    RssSampler,
+    machine_busy,
+    mmgate_has_transport_flags,
+    start_null_worker,
+    start_smg,
+    tree_cpu,
+    tree_kb,
+)
 
 from mmgate.launch import Child, start_gateway
 
@@ -167,6 +175,9 @@ class CellResult:
     peak_rss_mb: float = float("nan")
     cpu_s: float = 0.0  # CPU time (user + system) of the gateway's process tree during the timed rounds
     minor_faults: int = 0
+    worker_cpu_s: float = 0.0  # CPU time of the null worker during this gateway's rounds
+    machine_busy_s: float = 0.0  # busy CPU time of the whole machine during this gateway's rounds
+    machine_total_s: float = 0.0
     stages: dict[str, list[float]] = field(default_factory=dict)  # mmgate only: stage -> ms per request
 
     @property
@@ -180,6 +191,8 @@ class CellResult:
                 "p99_ms": 1000 * quantile(self.latencies, 0.99), "peak_rss_mb": self.peak_rss_mb,
                 "cpu_ms_per_request": 1000 * self.cpu_s / max(1, len(self.latencies)),
                 "minor_faults_per_request": self.minor_faults / max(1, len(self.latencies)),
+                "worker_cpu_ms_per_request": 1000 * self.worker_cpu_s / max(1, len(self.latencies)),
+                "machine_busy_fraction": self.machine_busy_s / self.machine_total_s if self.machine_total_s else None,
                 "stage_ms_median": {k: median(v) for k, v in self.stages.items()}}
 
 
@@ -260,11 +273,16 @@ def run_transport(args: argparse.Namespace, transport: str, bundle: Path, served
                         for name in order:
                             t0 = time.monotonic()
                             cpu0, faults0 = tree_cpu(children[name].proc.pid)
+                            wcpu0, busy0 = tree_cpu(worker.proc.pid)[0], machine_busy()
                             secs, lats, errs = asyncio.run(run_load(bases[name], body, per_round, conc,
                                                                     cells[name].stages))
                             cpu1, faults1 = tree_cpu(children[name].proc.pid)
+                            wcpu1, busy1 = tree_cpu(worker.proc.pid)[0], machine_busy()
                             cells[name].cpu_s += cpu1 - cpu0
                             cells[name].minor_faults += faults1 - faults0
+                            cells[name].worker_cpu_s += wcpu1 - wcpu0
+                            cells[name].machine_busy_s += busy1[0] - busy0[0]
+                            cells[name].machine_total_s += busy1[1] - busy0[1]
                             cells[name].windows.append((t0, time.monotonic()))
                             cells[name].seconds += secs
                             cells[name].latencies += lats

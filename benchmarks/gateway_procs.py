@@ -124,6 +124,15 @@ def tree_cpu(pid: int) -> tuple[float, int]:
     return cpu, faults
 
 
+def machine_busy() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine since boot (``/proc/stat`` first line)."""
+    with open("/proc/stat") as f:
+        values = [int(v) for v in f.readline().split()[1:]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+    total = sum(values[:8])
+    return (total - idle) / _TICK, total / _TICK
+
+
 class RssSampler:
     """Samples the VmRSS of each gateway's process tree every ``interval_s`` in a thread."""
 

@@ -60,6 +60,8 @@ def to_rgb(image: Image.Image) -> Image.Image:
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
+    if image.mode == "RGB":
+        return image  # convert("RGB") would return a copy of the same pixels
     return image.convert("RGB")
 
 
