@@ -48,3 +48,30 @@ def test_pillow_fallback_is_within_one_step_of_the_torch_kernel() -> None:
     a = processor(ImageBackend.TORCHVISION)(clip, (56, 84), geometry.RESAMPLE_BICUBIC, 14, 2, 2, raw=True)
     b = processor(ImageBackend.PIL)(clip, (56, 84), geometry.RESAMPLE_BICUBIC, 14, 2, 2, raw=True)
     assert a.shape == b.shape and int(np.abs(a.astype(int) - b.astype(int)).max()) <= 1
+
+
+def test_video_backend_follows_the_image_backend_without_importing_torch_for_pil() -> None:
+    """``--image-backend pil``: the video path stays exact to the torchvision-only reference but loads
+    torch with the first clip, not at start-up (checked in a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import bundle_dir
+
+    tv, pil, auto = ImageBackend.TORCHVISION, ImageBackend.PIL, ImageBackend.AUTO
+    assert geometry.video_backend_for(auto, tv) is tv and geometry.video_backend_for(tv, tv) is tv
+    assert geometry.video_backend_for(auto, pil) is pil  # auto fell back: torchvision does not import here
+    assert geometry.video_backend_for(pil, pil) is tv  # installed (this suite needs it): loaded on first use
+    lazy = processor(ImageBackend.TORCHVISION)
+    assert lazy._fused is False and lazy.fused is not None  # checked on first use
+    script = (
+        "import sys\n"
+        "from mmgate.api.app import build_state\n"
+        "from mmgate.settings import ImageBackend, Settings\n"
+        f"state = build_state(Settings(model={str(bundle_dir('Qwen/Qwen3-VL-2B-Instruct'))!r}, "
+        "image_backend=ImageBackend.PIL))\n"
+        "print(state.runtime.family.video.backend.value, 'torch' in sys.modules)\n"
+        "state.executor.shutdown()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["torchvision", "False"]

@@ -36,7 +36,7 @@ from mmgate.engines.vllm import encode_generate_request
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.fetch import MediaFetcher
 from mmgate.models.bundle import resolve_bundle
-from mmgate.models.geometry import resolve_backend
+from mmgate.models.geometry import resolve_backend, video_backend_for
 from mmgate.models.registry import load_family
 from mmgate.pipeline import ModelRuntime, Pipeline
 from mmgate.routing.mm_processing import Mode, decide_request
@@ -72,7 +72,7 @@ def build_state(settings: Settings) -> GatewayState:
     bundle = resolve_bundle(settings.model, settings.model_search_path)
     tokenizer = load_tokenizer(bundle)
     backend = resolve_backend(settings.image_backend)
-    family = load_family(bundle, tokenizer, backend)
+    family = load_family(bundle, tokenizer, backend, video_backend_for(settings.image_backend, backend))
     runtime = ModelRuntime(bundle=bundle, tokenizer=tokenizer, family=family,
                            served_name=settings.served_model_name or bundle.name)
     threads = settings.preprocess_threads or (os.cpu_count() or 2)

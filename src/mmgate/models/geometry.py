@@ -17,6 +17,7 @@ Resizing is the one step whose kernel differs by backend:
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Sequence
 from functools import lru_cache
@@ -92,6 +93,23 @@ def resolve_backend(requested: ImageBackend) -> ImageBackend:
     if requested is ImageBackend.AUTO:
         return ImageBackend.TORCHVISION if torchvision_available() else ImageBackend.PIL
     return requested
+
+
+def video_backend_for(requested: ImageBackend, resolved: ImageBackend) -> ImageBackend:
+    """The video path's backend (the reference video processors are torchvision-only), chosen
+    without importing torch where the image backend did not need it.
+
+    * the images use torchvision (torch is loaded): torchvision;
+    * ``auto`` resolved to ``pil``: torchvision failed to import, so ``pil``;
+    * ``pil`` asked for explicitly: torchvision when torch and torchvision are installed
+      (``importlib.util.find_spec``), imported on the first video; else ``pil``.
+    """
+    if resolved is ImageBackend.TORCHVISION:
+        return ImageBackend.TORCHVISION
+    if requested is ImageBackend.AUTO:
+        return ImageBackend.PIL
+    installed = all(importlib.util.find_spec(name) is not None for name in ("torch", "torchvision"))
+    return ImageBackend.TORCHVISION if installed else ImageBackend.PIL
 
 
 _TV_INTERPOLATION = {RESAMPLE_NEAREST: "NEAREST_EXACT", RESAMPLE_BILINEAR: "BILINEAR",

@@ -142,18 +142,24 @@ class QwenVLFamily:
                                                    image.do_rescale, image.do_normalize)
 
     @classmethod
-    def from_bundle(cls, bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageBackend) -> QwenVLFamily:
-        """Read every parameter from the bundle; ``backend`` must be resolved (not ``auto``)."""
+    def from_bundle(cls, bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageBackend,
+                    video_backend: ImageBackend | None = None) -> QwenVLFamily:
+        """Read every parameter from the bundle; ``backend`` must be resolved (not ``auto``).
+
+        ``video_backend``: the video path's (``geometry.video_backend_for``); None: torchvision
+        when it imports, as the reference video processors.
+        """
         cfg = bundle.preprocessor_config or dict(bundle.processor_config.get("image_processor") or {})
         token_id = tokenizer.token_id(cls.image_token)
         config_id = bundle.config.get("image_token_id")
         if token_id is None or (config_id is not None and int(config_id) != token_id):
             raise GatewayError(ErrorCode.INTERNAL_ERROR, f"bundle {bundle.name!r}: <|image_pad|> id disagrees with config")
         return cls(bundle.model_type, image_params_from_config(cfg), token_id, backend,
-                   cls._video_from_bundle(bundle, tokenizer))
+                   cls._video_from_bundle(bundle, tokenizer, video_backend))
 
     @classmethod
-    def _video_from_bundle(cls, bundle: ModelBundle, tokenizer: BundleTokenizer) -> QwenVLVideo | None:
+    def _video_from_bundle(cls, bundle: ModelBundle, tokenizer: BundleTokenizer,
+                           backend: ImageBackend | None = None) -> QwenVLVideo | None:
         """The video side: the reference video processor is torchvision-only, so its backend is
         torchvision whenever importable, whatever the image backend (docs/video.md)."""
         from mmgate.media.video import av_available
@@ -171,7 +177,7 @@ class QwenVLFamily:
 
         return QwenVLVideo(bundle.model_type, video_params(bundle.model_type, cfg),
                            {k: int(v) for k, v in ids.items() if v is not None}, encode,
-                           geometry.resolve_backend(ImageBackend.AUTO))
+                           backend or geometry.resolve_backend(ImageBackend.AUTO))
 
     @property
     def fingerprint(self) -> str:

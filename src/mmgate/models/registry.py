@@ -80,7 +80,8 @@ class Family(Protocol):
 class FamilyClass(Protocol):
     model_types: tuple[str, ...]
 
-    def from_bundle(self, bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageBackend) -> Family: ...
+    def from_bundle(self, bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageBackend,
+                    video_backend: ImageBackend | None = None) -> Family: ...
 
 
 _FAMILIES: tuple[type, ...] = (QwenVLFamily,)
@@ -104,8 +105,10 @@ def supports_vision(bundle: ModelBundle) -> bool:
     return isinstance(bundle.config.get("vision_config"), dict)
 
 
-def load_family(bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageBackend) -> Family | None:
-    """The family serving ``bundle``, or None for a text-only model.
+def load_family(bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageBackend,
+                video_backend: ImageBackend | None = None) -> Family | None:
+    """The family serving ``bundle``, or None for a text-only model (``video_backend``: see
+    ``QwenVLFamily.from_bundle``).
 
     Raises:
         GatewayError(MODEL_NOT_FOUND): a vision model whose ``model_type`` no family serves.
@@ -117,5 +120,5 @@ def load_family(bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageB
         if supports_vision(bundle):
             raise GatewayError(ErrorCode.MODEL_NOT_FOUND, f"no mmgate family serves model_type {bundle.model_type!r}")
         return None
-    family: Family = cls.from_bundle(bundle, tokenizer, backend)  # type: ignore[attr-defined]
+    family: Family = cls.from_bundle(bundle, tokenizer, backend, video_backend)  # type: ignore[attr-defined]
     return family

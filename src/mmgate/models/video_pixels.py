@@ -18,6 +18,7 @@ rescale/normalize flags, the table is gathered.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -78,17 +79,34 @@ class FrameProcessor:
                  std: tuple[float, ...], do_rescale: bool, do_normalize: bool) -> None:
         self.backend = backend
         self.lut = lut
-        self.fused: tuple[Any, Any] | None = None
-        if backend is ImageBackend.TORCHVISION and do_rescale and do_normalize:
-            torch, _, _ = geometry._torch_modules()
-            inv = np.float32(1.0 / rescale_factor)  # as geometry.normalize_lut, torchvision branch
-            mean_f = np.asarray(mean, dtype=np.float32) * inv
-            std_f = np.asarray(std, dtype=np.float32) * inv
-            mean_t = torch.from_numpy(mean_f).view(1, -1, 1)
-            std_t = torch.from_numpy(std_f).view(1, -1, 1)
-            table = torch.arange(256, dtype=torch.float32).expand(1, len(mean), 256).clone().sub_(mean_t).div_(std_t)
-            if np.array_equal(table[0].numpy(), lut):
-                self.fused = (mean_t, std_t)
+        self._norm = (rescale_factor, mean, std, do_rescale and do_normalize)
+        self._fused: tuple[Any, Any] | None | bool = False  # False: not checked yet (torch is imported on first use)
+        self._lock = threading.Lock()
+
+    @property
+    def fused(self) -> tuple[Any, Any] | None:
+        """(mean', std') torch tensors of the fused rescale+normalize when it equals the table, else None
+        (the table is gathered); checked on first use, so torch loads with the first clip."""
+        with self._lock:
+            if self._fused is False:
+                self._fused = self._check_fused()
+            return None if isinstance(self._fused, bool) else self._fused
+
+    @fused.setter
+    def fused(self, value: tuple[Any, Any] | None) -> None:
+        with self._lock:
+            self._fused = value
+
+    def _check_fused(self) -> tuple[Any, Any] | None:
+        rescale_factor, mean, std, both = self._norm
+        if self.backend is not ImageBackend.TORCHVISION or not both:
+            return None
+        torch, _, _ = geometry._torch_modules()
+        inv = np.float32(1.0 / rescale_factor)  # as geometry.normalize_lut, torchvision branch
+        mean_t = torch.from_numpy(np.asarray(mean, dtype=np.float32) * inv).view(1, -1, 1)
+        std_t = torch.from_numpy(np.asarray(std, dtype=np.float32) * inv).view(1, -1, 1)
+        table = torch.arange(256, dtype=torch.float32).expand(1, len(mean), 256).clone().sub_(mean_t).div_(std_t)
+        return (mean_t, std_t) if np.array_equal(table[0].numpy(), self.lut) else None
 
     def __call__(self, frames: np.ndarray, size_hw: tuple[int, int] | None, resample: int, patch_size: int,
                  merge_size: int, temporal_patch_size: int, raw: bool) -> np.ndarray:
@@ -107,8 +125,9 @@ class FrameProcessor:
         rows = _patchify_torch(torch, x, patch_size, merge_size, temporal_patch_size)
         if raw:
             return rows.numpy()
-        if self.fused is None:
+        fused = self.fused
+        if fused is None:
             return lut_rows(rows.numpy(), self.lut)
-        mean_t, std_t = self.fused
+        mean_t, std_t = fused
         out = rows.view(rows.shape[0], mean_t.shape[1], -1).to(torch.float32).sub_(mean_t).div_(std_t)
         return out.view(rows.shape).numpy()
