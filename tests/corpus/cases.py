@@ -90,7 +90,7 @@ def family_accepts_video(profile: str) -> bool:
 
 def video_patchify_available() -> bool:
     try:
-        from mmgate.models.qwen_vl_video import patchify_video  # noqa: F401
+        from mmgate.models.video_pixels import patchify_video  # noqa: F401
     except ImportError:
         return False
     return True

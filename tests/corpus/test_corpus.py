@@ -217,7 +217,7 @@ def _judge_unit(case: dict[str, Any]) -> None:
     """Temporal padding of mmgate's video patchify: N frames -> a multiple of T, padded with the last frame."""
     import numpy as np
 
-    from mmgate.models.qwen_vl_video import patchify_video
+    from mmgate.models.video_pixels import patchify_video
 
     req, exp = case["request"], case["expected"]
     assert req["calc"] == "padded_num_frames"

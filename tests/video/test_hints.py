@@ -23,7 +23,7 @@ from PIL import Image
 
 from mmgate.launch import free_port
 from mmgate.models import geometry
-from mmgate.models.qwen_vl_video import long_side_bound
+from mmgate.models.qwen_vl_frames import long_side_bound
 from mmgate.settings import FetchSettings, Settings
 from mmgate.types import ItemHints
 from tests.conftest import bundle_dir

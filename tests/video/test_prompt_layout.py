@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mmgate.models.qwen_vl_video import qwen3_timestamps
+from mmgate.models.qwen_vl_frames import qwen3_timestamps
 from tests.video.video_support import (
     QWEN2,
     QWEN2_5,

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from mmgate.errors import GatewayError
-from mmgate.models.qwen_vl_video import QWEN3_VIDEO, sample_indices, torch_arange_int
+from mmgate.models.qwen_vl_frames import QWEN3_VIDEO, sample_indices, torch_arange_int
 from mmgate.types import ItemHints, VideoMeta
 from tests.video.video_support import MODELS, QWEN2, QWEN2_5, QWEN3, pipeline, processor
 
@@ -81,7 +81,7 @@ def test_qwen2_index_arithmetic_equals_torch_arange_on_float32() -> None:
     layout, checked here on the machines where torch itself runs 8 lanes."""
     import torch
 
-    from mmgate.models.qwen_vl_video import _arange_8_lanes
+    from mmgate.models.qwen_vl_frames import _arange_8_lanes
 
     rng = random.Random(0)
     eight_lanes = torch.backends.cpu.get_cpu_capability() in ("AVX2", "DEFAULT", "NO AVX")

@@ -35,12 +35,8 @@ from mmgate.errors import ErrorCode, GatewayError
 from mmgate.models import geometry
 from mmgate.models.bundle import ModelBundle
 from mmgate.models.image_rows import RowNormalizer, RowSink, image_rows, write_rows
-from mmgate.models.qwen_vl_video import (
-    QwenVLVideo,
-    long_side_bound,
-    video_config,
-    video_params,
-)
+from mmgate.models.qwen_vl_frames import long_side_bound, video_config, video_params
+from mmgate.models.qwen_vl_video import QwenVLVideo
 from mmgate.settings import ImageBackend
 from mmgate.types import (
     DecodedImage,
