@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
 import numpy as np
-from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
+from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
 
 from mmgate import metrics
 from mmgate.errors import ERROR_TABLE, ErrorCode, GatewayError
@@ -44,12 +44,6 @@ from mmgate.types import EncoderBatch, MediaRef, Modality, PendingTensor, Prepar
 ENGINE = "vllm"
 PRIMARY_KEY = "pixel_values"
 _MODALITY = {Modality.IMAGE: common_pb2.IMAGE, Modality.VIDEO: common_pb2.VIDEO, Modality.AUDIO: common_pb2.AUDIO}
-_MAX_MESSAGE = 512 * 1024 * 1024
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", _MAX_MESSAGE),
-    ("grpc.max_receive_message_length", _MAX_MESSAGE),
-]
-
 _UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
                 grpc.StatusCode.CANCELLED}
 _REJECTED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE}
@@ -353,88 +347,3 @@ def build_media_ref_request(req: PreparedRequest, refs: Sequence[MediaRef]) -> v
     msg = build_generate_request(req)
     msg.media_refs.items.extend(vllm_engine_pb2.MediaRef(modality=_MODALITY[r.modality], url=r.url) for r in refs)
     return msg
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerInfo:
-    """What a worker says about itself (GetModelInfo + GetServerInfo), flattened to labels."""
-
-    model_type: str
-    supports_vision: bool
-    max_context_length: int
-    eos_token_ids: tuple[int, ...]
-    labels: dict[str, str]
-
-
-class VllmWorkerClient:
-    """An async client for one vLLM-wire worker at ``host:port``."""
-
-    def __init__(self, target: str) -> None:
-        self.target = target
-        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
-        self._stub = vllm_engine_pb2_grpc.VllmEngineStub(self._channel)
-        # Generate taking pre-serialized bytes (see encode_generate_request).
-        self._generate_raw = self._channel.unary_stream(
-            "/vllm.grpc.engine.VllmEngine/Generate", request_serializer=None,
-            response_deserializer=vllm_engine_pb2.GenerateResponse.FromString)
-
-    async def close(self) -> None:
-        await self._channel.close()
-
-    async def health(self, timeout_s: float = 2.0) -> bool:
-        try:
-            resp = await self._stub.HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=timeout_s)
-        except grpc.aio.AioRpcError:
-            return False
-        return bool(resp.healthy)
-
-    async def info(self, timeout_s: float = 5.0) -> WorkerInfo:
-        """Query GetModelInfo and GetServerInfo.
-
-        Raises:
-            GatewayError(ENGINE_UNAVAILABLE | ENGINE_ERROR)
-        """
-        try:
-            model = await self._stub.GetModelInfo(vllm_engine_pb2.GetModelInfoRequest(), timeout=timeout_s)
-            server = await self._stub.GetServerInfo(vllm_engine_pb2.GetServerInfoRequest(), timeout=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise map_rpc_error(exc) from None
-        labels = {
-            "model_path": model.model_path, "served_model_name": model.served_model_name,
-            "model_type": model.model_type, "supports_vision": str(model.supports_vision).lower(),
-            "server_type": server.server_type, "shm_namespace_id": server.shm_namespace_id,
-            "mm_processor": server.mm_processor, "mm_media_ref_schemes": server.mm_media_ref_schemes,
-            "mm_processor_source": server.mm_processor_source,
-            "mm_device_do_normalize": str(server.mm_device_do_normalize).lower(),
-            "mm_item_limits": server.mm_item_limits, "multimodal_encoder_dtype": server.multimodal_encoder_dtype,
-            "max_num_seqs": str(server.max_num_seqs), "mm_encoder_budget": str(server.mm_encoder_budget),
-        }
-        return WorkerInfo(model_type=model.model_type, supports_vision=model.supports_vision,
-                          max_context_length=model.max_context_length,
-                          eos_token_ids=tuple(int(t) for t in model.eos_token_ids), labels=labels)
-
-    async def generate(self, msg: vllm_engine_pb2.GenerateRequest | bytes,
-                       timeout_s: float | None = None) -> AsyncGenerator[vllm_engine_pb2.GenerateResponse, None]:
-        """Stream the engine's responses; cancels the RPC if the consumer stops early.
-
-        ``msg`` is a message, or its serialized bytes (``encode_generate_request``).
-
-        Raises:
-            GatewayError: mapped from the RPC status (see module docstring).
-        """
-        call = (self._generate_raw(msg, timeout=timeout_s) if isinstance(msg, bytes)
-                else self._stub.Generate(msg, timeout=timeout_s))
-        try:
-            async for resp in call:
-                yield resp
-        except grpc.aio.AioRpcError as exc:
-            raise map_rpc_error(exc) from None
-        finally:
-            if not call.done():
-                call.cancel()
-
-    async def abort(self, request_id: str) -> None:
-        try:
-            await self._stub.Abort(vllm_engine_pb2.AbortRequest(request_ids=[request_id]), timeout=2.0)
-        except grpc.aio.AioRpcError:
-            pass

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from mmgate import metrics
-from mmgate.engines.vllm import VllmWorkerClient, WorkerInfo
+from mmgate.engines.vllm_client import VllmWorkerClient, WorkerInfo
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.types import Modality
 
