@@ -395,3 +395,19 @@ def test_a_segment_added_after_the_request_ended_is_unlinked_at_once() -> None:
     late = shm.create_segment(4096)
     lease.add(late)  # a pool task finishing after the request failed
     assert not os.path.exists(os.path.join(SHM_DIR, late))
+
+
+def test_new_bytes_is_a_writable_bytes_object_owned_once() -> None:
+    """``placement.new_bytes``: the bytes grpc sends, filled in place, owned by one reference only."""
+    import sys
+
+    from mmgate.transport.placement import new_bytes
+
+    data, view = new_bytes(1 << 20)
+    assert type(data) is bytes and len(data) == 1 << 20 and view.flags.writeable
+    view[:] = 7
+    view[-3:] = (1, 2, 3)
+    assert data[:2] == b"\x07\x07" and data[-3:] == b"\x01\x02\x03"
+    assert sys.getrefcount(data) == 2  # the name and getrefcount's argument: nothing leaked a reference
+    empty, empty_view = new_bytes(0)
+    assert empty == b"" and empty_view.size == 0

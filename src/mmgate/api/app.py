@@ -121,18 +121,19 @@ def body_limit_for(settings: Settings) -> int:
     return max(fs.image_max_bytes, fs.video_max_bytes, fs.audio_max_bytes) * 4 // 3 + 1024 * 1024
 
 
+#: arrays at least this large make encoding worth a trip to the pool
+_HEAVY_BYTES = 1 << 20
+
+
 def _encode_is_heavy(prepared: PreparedRequest, wire: WirePlan) -> bool:
     """Whether encoding copies a large array or reserves shared memory (then it runs in the pool)."""
     for batch in prepared.batches:
         for tensor in batch.tensors.values():
-            if isinstance(tensor, PendingTensor) and wire.shm:
+            if isinstance(tensor, PendingTensor) and wire.use_shm(tensor.nbytes):
                 return True
             if isinstance(tensor, np.ndarray) and tensor.nbytes >= _HEAVY_BYTES:
                 return True
     return False
-
-
-_HEAVY_BYTES = 1 << 20
 
 
 def _timing_header(timings: dict[str, float]) -> str:
