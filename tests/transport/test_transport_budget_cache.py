@@ -364,8 +364,8 @@ def test_failed_segment_falls_back_to_inline_and_is_counted(monkeypatch: pytest.
     from mmgate.transport.policy import WirePlan
     from mmgate.transport.shm import ShmLease
 
-    def full(nbytes: int) -> str:
-        raise shm.ShmError("cannot reserve segment (ENOSPC)")
+    def full(nbytes: int, reserve: bool = True) -> str:
+        raise shm.ShmError("cannot create segment (EMFILE)")
 
     state, (arrays, deferred) = _prepare_both(chat([data_url(png(120, 160, 3))]))
     try:
@@ -411,3 +411,31 @@ def test_new_bytes_is_a_writable_bytes_object_owned_once() -> None:
     assert sys.getrefcount(data) == 2  # the name and getrefcount's argument: nothing leaked a reference
     empty, empty_view = new_bytes(0)
     assert empty == b"" and empty_view.size == 0
+
+
+def test_segment_write_failure_during_the_fill_falls_back_to_inline(worker: FakeWorker,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """/dev/shm filling up while the rows are written: the request is encoded again inline, answers 200
+    with the same tensors, the failure is counted and no segment is left."""
+    from mmgate import metrics
+    from mmgate.transport import shm
+
+    body = chat([data_url(png(300, 200, 4))])
+    before = mmgate_segments()
+    with gateway_in_thread(settings(worker, tensor_transport=TensorTransport.INLINE)) as base:
+        assert post(base, body).status_code == 200
+
+    def full(self: shm.SegmentWriter, offset: int, data: np.ndarray) -> None:
+        raise shm.ShmError("cannot write segment (ENOSPC)")
+
+    monkeypatch.setattr(shm.SegmentWriter, "write", full)
+    failures = metrics.SHM_WRITE_FAILURES.labels("vllm")
+    counted = failures._value.get()
+    with gateway_in_thread(settings(worker, tensor_transport=TensorTransport.SHM, shm_min_bytes=1024)) as base:
+        assert post(base, body).status_code == 200
+    assert failures._value.get() == counted + 1
+    inline, fallback = worker.state.received
+    assert fallback.payloads["pixel_values"] == "inline"
+    for name, array in inline.tensors.items():
+        assert np.array_equal(array, fallback.tensors[name]), name
+    assert mmgate_segments() == before

@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -32,7 +32,7 @@ from mmgate.api.worker_mode import forward_media_refs
 from mmgate.budget import InflightBudget
 from mmgate.cache import PixelCache
 from mmgate.chat.tokenizer import load_tokenizer
-from mmgate.engines.vllm import encode_generate_request
+from mmgate.engines.vllm import ENGINE, encode_generate_request
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.fetch import MediaFetcher
 from mmgate.models.bundle import resolve_bundle
@@ -43,8 +43,8 @@ from mmgate.routing.mm_processing import Mode, decide_request
 from mmgate.routing.workers import Worker, WorkerRegistry
 from mmgate.settings import Settings
 from mmgate.transport.policy import WirePlan, wire_plan
-from mmgate.transport.shm import ShmLease, sweep_dead_segments
-from mmgate.types import Modality, PendingTensor, PreparedRequest
+from mmgate.transport.shm import ShmError, ShmLease, sweep_dead_segments
+from mmgate.types import Modality, PreparedRequest
 
 log = logging.getLogger("mmgate.api")
 
@@ -126,11 +126,10 @@ _HEAVY_BYTES = 1 << 20
 
 
 def _encode_is_heavy(prepared: PreparedRequest, wire: WirePlan) -> bool:
-    """Whether encoding copies a large array or reserves shared memory (then it runs in the pool)."""
+    """Whether encoding copies or writes a large array (then it runs in the pool); a pending tensor costs
+    only a segment name or an allocation."""
     for batch in prepared.batches:
         for tensor in batch.tensors.values():
-            if isinstance(tensor, PendingTensor) and wire.use_shm(tensor.nbytes):
-                return True
             if isinstance(tensor, np.ndarray) and tensor.nbytes >= _HEAVY_BYTES:
                 return True
     return False
@@ -197,7 +196,13 @@ def create_app(state: GatewayState) -> FastAPI:
             if encoded.pending:
                 # Deferred pixels: computed now, straight into the segment or the request bytes.
                 with metrics.stage("preprocess", timings):
-                    await encoded.fill()
+                    try:
+                        await encoded.fill()
+                    except ShmError:  # /dev/shm full while writing: again, inline
+                        metrics.SHM_WRITE_FAILURES.labels(ENGINE).inc()
+                        lease.release()
+                        encoded = encode_generate_request(prepared, replace(wire, shm=False))
+                        await encoded.fill()
             metrics.PROMPT_TOKENS.inc(len(prepared.input_ids))
             assert worker.client is not None
             responses = worker.client.generate(encoded.data)

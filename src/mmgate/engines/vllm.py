@@ -184,7 +184,7 @@ def _place_pending(pending: PendingTensor, wire: WirePlan, lease: ShmLease | Non
     shape = [rows, width]
     if lease is not None and wire.use_shm(nbytes):
         try:
-            name = shm.create_segment(nbytes)
+            name = shm.create_segment(nbytes, reserve=False)  # pages come with the pool's writes
         except shm.ShmError:
             metrics.SHM_WRITE_FAILURES.labels(ENGINE).inc()
         else:
@@ -317,8 +317,9 @@ def encode_generate_request(req: PreparedRequest, wire: WirePlan = INLINE_FLOAT3
     ``data``, and is computed into it by ``EncodedRequest.fill``; an array is
     copied into ``data`` once.
 
-    Raises:
-        ShmError: never; a shared-memory failure falls back to inline (counted).
+    A segment that cannot be created falls back to inline here (counted); one
+    that cannot be written (``/dev/shm`` full) makes ``EncodedRequest.fill``
+    raise ``ShmError``, and the caller encodes again with shared memory off.
     """
     targets: list[tuple[PendingTensor, RowTarget]] = []
     msg, tail = _build(req, wire, lease, defer_primary=True, targets=targets)

@@ -63,11 +63,12 @@ def validate_name(name: str) -> str:
     return bare
 
 
-def create_segment(nbytes: int) -> str:
-    """Create a new segment of ``nbytes`` bytes, its memory reserved (``posix_fallocate``); returns its name.
+def create_segment(nbytes: int, reserve: bool = True) -> str:
+    """Create a new segment of ``nbytes`` bytes; returns its name.
 
-    Reserving up front makes a full ``/dev/shm`` fail here, where the caller can
-    still fall back to inline, and not halfway through writing.
+    ``reserve``: allocate its memory now (``posix_fallocate``), so a full
+    ``/dev/shm`` fails here rather than halfway through writing; without it the
+    segment is sized (``ftruncate``) and its pages come with the writes.
 
     Raises:
         ShmError: the segment could not be created or reserved (nothing is left behind).
@@ -78,8 +79,10 @@ def create_segment(nbytes: int) -> str:
     except OSError as exc:
         raise ShmError(f"cannot create segment ({errno.errorcode.get(exc.errno or 0, exc.errno)})") from None
     try:
-        if nbytes:
+        if nbytes and reserve:
             os.posix_fallocate(fd, 0, nbytes)
+        elif nbytes:
+            os.ftruncate(fd, nbytes)
     except OSError as exc:
         unlink(name)
         raise ShmError(f"cannot reserve segment ({errno.errorcode.get(exc.errno or 0, exc.errno)})") from None
