@@ -66,6 +66,26 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
+class PatchGeometry:
+    """Mixin of the Qwen-VL parameter records: the resize factor and the width of a patch row."""
+
+    __slots__ = ()
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+    image_mean: tuple[float, ...]
+
+    @property
+    def factor(self) -> int:
+        """``patch_size * merge_size``: resized sides are multiples of it."""
+        return self.patch_size * self.merge_size
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per ``pixel_values`` row: ``C * T * P * P``."""
+        return len(self.image_mean) * self.temporal_patch_size * self.patch_size * self.patch_size
+
+
 def _torch_modules() -> tuple[Any, Any, Any]:
     try:
         import torch

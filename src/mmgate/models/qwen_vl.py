@@ -59,7 +59,7 @@ _OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 @dataclass(frozen=True, slots=True)
-class QwenVLImageParams:
+class QwenVLImageParams(geometry.PatchGeometry):
     """Every image-preprocessing parameter, as the reference image processor resolves it."""
 
     patch_size: int
@@ -74,14 +74,6 @@ class QwenVLImageParams:
     do_rescale: bool
     do_normalize: bool
     resample: int  # PILImageResampling value
-
-    @property
-    def factor(self) -> int:
-        return self.patch_size * self.merge_size
-
-    @property
-    def patch_dim(self) -> int:
-        return len(self.image_mean) * self.temporal_patch_size * self.patch_size * self.patch_size
 
 
 def image_params_from_config(cfg: Mapping[str, Any]) -> QwenVLImageParams:

@@ -39,7 +39,7 @@ _PROCESSOR_BY_MODEL_TYPE = {"qwen2_vl": QWEN2_VIDEO, "qwen2_5_vl": QWEN2_VIDEO, 
 
 
 @dataclass(frozen=True, slots=True)
-class QwenVLVideoParams:
+class QwenVLVideoParams(geometry.PatchGeometry):
     """Every video-preprocessing parameter, as the reference video processor resolves it."""
 
     processor: str  # QWEN2_VIDEO or QWEN3_VIDEO: which sampling and smart_resize apply
@@ -62,14 +62,6 @@ class QwenVLVideoParams:
     max_frames: int
     cap_pixels_per_frame: bool  # the reference's ``None`` (warn, then off) reads as False
     max_video_tokens: int
-
-    @property
-    def factor(self) -> int:
-        return self.patch_size * self.merge_size
-
-    @property
-    def patch_dim(self) -> int:
-        return len(self.image_mean) * self.temporal_patch_size * self.patch_size * self.patch_size
 
 
 def video_config(bundle_processor: Mapping[str, Any], video: Mapping[str, Any], image: Mapping[str, Any]) -> dict:
