@@ -1,8 +1,10 @@
 """vLLM engine wire (``vllm.grpc.engine.VllmEngine`` of ``smg-grpc-proto``).
 
 Stage: assemble + transport.  In: a :class:`~mmgate.types.PreparedRequest`
-after worker selection; out: a ``GenerateRequest`` and the streamed
-``GenerateResponse`` messages.  Engine field names appear only here.
+after worker selection; out: the ``GenerateRequest`` (a message, or its bytes
+with pending pixels placed in their buffer: :func:`encode_generate_request`).
+The client that sends it is :mod:`mmgate.engines.vllm_client`.  Engine field
+names appear only in these two modules.
 
 The message layout mirrors what the SMG servicer reads
 (``smg_grpc_servicer/vllm/servicer.py`` ``_build_preprocessed_mm_inputs``,
