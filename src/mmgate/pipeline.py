@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
@@ -330,12 +331,15 @@ class Pipeline:
 
     async def _fetch_decode_videos(self, family: Family, refs: Sequence[MediaRef]) -> list[DecodedVideo]:
         """Fetch each distinct URL once; sample and decode each distinct (URL, fps hint) once, one clip per
-        pool task, all clips sharing the request's decoded-pixel allowance."""
+        pool task, all clips sharing the request's decoded-pixel allowance.  When this fails or is
+        cancelled (another item failed, the client went away), the decoding threads stop at their
+        next frame."""
         if not refs:
             return []
         loop = asyncio.get_running_loop()
         fs, vs = self.settings.fetch, self.settings.video
         allowance = PixelAllowance(vs.max_decoded_pixels)
+        stop = threading.Event()
         payloads: dict[str, asyncio.Future[bytes]] = {}
 
         async def one(ref: MediaRef) -> DecodedVideo:
@@ -343,7 +347,7 @@ class Pipeline:
             try:
                 return await loop.run_in_executor(self.executor, decode_video, data,
                                                   lambda meta: family.sample_video(meta, ref.hints), allowance,
-                                                  vs.decode_timeout_s)
+                                                  vs.decode_timeout_s, stop)
             except GatewayError as exc:
                 raise GatewayError(exc.code, exc.message, ref.param) from None
 
@@ -353,7 +357,11 @@ class Pipeline:
                 payloads[ref.url] = asyncio.ensure_future(self.fetcher.fetch(ref.url, fs.video_max_bytes, ref.param))
             if (ref.url, ref.hints.fps) not in tasks:
                 tasks[(ref.url, ref.hints.fps)] = asyncio.ensure_future(one(ref))
-        await _all_or_none(*payloads.values(), *tasks.values())
+        try:
+            await _all_or_none(*payloads.values(), *tasks.values())
+        except BaseException:
+            stop.set()
+            raise
         return [tasks[(ref.url, ref.hints.fps)].result() for ref in refs]
 
     async def _preprocess_videos(self, family: Family, clips: Sequence[DecodedVideo], plans: Sequence[VideoPlan],

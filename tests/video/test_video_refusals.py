@@ -152,3 +152,35 @@ def test_decode_deadline_is_413_media_too_large(clips: dict[str, Path]) -> None:
     with pytest.raises(GatewayError) as err:
         run_with(QWEN3, VideoSettings(decode_timeout_s=1e-9), [video_part(clips["f60_30fps"])])
     assert err.value.code is ErrorCode.MEDIA_TOO_LARGE and "exceeded" in err.value.message
+
+
+def test_a_request_that_fails_stops_its_video_decoding(clips: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another item's refusal ends the request: the clip's decoding thread is told to stop (it would
+    otherwise run on to its deadline), and a decode told to stop refuses at its next frame."""
+    import threading
+
+    from mmgate import pipeline as pipeline_module
+    from mmgate.media.video import decode_video
+
+    clip = clips["f60_30fps"]
+    stopped = threading.Event()
+    seen: list[bool] = []
+    real = pipeline_module.decode_video
+
+    def watching(data: bytes, sample: object, allowance: object, timeout_s: float, stop: threading.Event) -> object:
+        seen.append(stop.wait(timeout=20))  # the request's stop signal, set when the request ends
+        stopped.set()
+        return real(data, sample, allowance, timeout_s, stop)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pipeline_module, "decode_video", watching)
+    broken_image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgoAAAAN"}}
+    with pytest.raises(GatewayError) as err:
+        run_with(QWEN3, VideoSettings(), [video_part(clip), broken_image])
+    assert err.value.code is ErrorCode.MEDIA_DECODE_FAILED and err.value.param == "messages[0].content[1]"
+    assert stopped.wait(timeout=30) and seen == [True]
+
+    already = threading.Event()
+    already.set()
+    with pytest.raises(GatewayError) as err:
+        decode_video(clip.read_bytes(), lambda meta: list(range(meta.total_frames)), None, 60.0, already)
+    assert err.value.code is ErrorCode.MEDIA_DECODE_FAILED and "stopped" in err.value.message

@@ -22,7 +22,8 @@ Beyond the reference (docs/video.md, "Decoding"):
 * frame decoding uses FFmpeg's frame+slice threading (bit-exact);
 * limits: a decoded-pixel allowance (sampled frames x height x width), checked
   from the header before decoding and again on the first frame, and a
-  wall-clock deadline checked between frames.
+  wall-clock deadline checked between frames, with the request's stop signal
+  (a request that ends stops its decoding threads at the next frame).
 """
 
 from __future__ import annotations
@@ -82,11 +83,16 @@ def _failed(why: str) -> GatewayError:
 
 
 class _Deadline:
-    def __init__(self, timeout_s: float) -> None:
+    """The wall-clock limit of one clip, and the request's stop signal, checked between frames."""
+
+    def __init__(self, timeout_s: float, stop: threading.Event | None = None) -> None:
         self.timeout_s = timeout_s
         self.at = time.monotonic() + timeout_s
+        self.stop = stop
 
     def check(self) -> None:
+        if self.stop is not None and self.stop.is_set():
+            raise GatewayError(ErrorCode.MEDIA_DECODE_FAILED, "video decoding stopped: the request ended")
         if time.monotonic() > self.at:
             raise GatewayError(ErrorCode.MEDIA_TOO_LARGE,
                                f"video decoding exceeded the limit of {self.timeout_s:g} s")
@@ -190,7 +196,7 @@ def _header(data: bytes, total: int | None) -> VideoMeta:
 
 
 def decode_video(data: bytes, sample: Callable[[VideoMeta], Sequence[int]], allowance: PixelAllowance | None,
-                 timeout_s: float) -> DecodedVideo:
+                 timeout_s: float, stop: threading.Event | None = None) -> DecodedVideo:
     """Decode the frames ``sample(meta)`` picks.
 
     Args:
@@ -198,15 +204,17 @@ def decode_video(data: bytes, sample: Callable[[VideoMeta], Sequence[int]], allo
         sample: the family's frame sampler; may raise GatewayError.
         allowance: decoded pixels the request may still take (None: unbounded).
         timeout_s: wall-clock limit of decoding this clip.
+        stop: set when the request has ended (failed, cancelled, client gone): decoding
+            stops at the next frame instead of running on to the deadline.
 
     Raises:
         GatewayError(MEDIA_DECODE_FAILED): not a supported container, no video stream,
-            no frames, no frame rate, a corrupt stream, a frame size that changes.
+            no frames, no frame rate, a corrupt stream, a frame size that changes; ``stop`` set.
         GatewayError(MEDIA_TOO_LARGE): over the decoded-pixel allowance or the deadline.
     """
     if not av_available():
         raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED, "video input needs PyAV (pip install av)")
-    deadline = _Deadline(timeout_s)
+    deadline = _Deadline(timeout_s, stop)
     meta = _header(data, None)
     if meta.total_frames <= 0:
         meta = _header(data, _count_frames(data, deadline))
