@@ -1,4 +1,4 @@
-"""The one-pass row writer (``models/image_rows.py``) against the table-gather + patchify path.
+"""The one-pass row writer (``models/image_rows.py``) against a plain table gather + patchify.
 
 The family parity tests (``tests/families``) compare ``preprocess_one`` with the
 transformers processors themselves; these tests pin the pieces the fast path adds:
@@ -20,8 +20,27 @@ CLIP = ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711
 HALF = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
 
 
+def _gather(pixels: np.ndarray, lut: np.ndarray) -> np.ndarray:
+    """``lut[c, pixels[..., c]]``: the table applied value by value (uint8 ``[..., C]`` -> float32)."""
+    out = np.empty(pixels.shape, dtype=lut.dtype)
+    for c in range(pixels.shape[-1]):
+        out[..., c] = lut[c][pixels[..., c]]
+    return out
+
+
+def _patchify(image: np.ndarray, patch: int, merge: int, temporal: int) -> np.ndarray:
+    """transformers 5.24 ``Qwen2VLImageProcessor.patchify`` of one ``[H, W, C]`` image, written out plainly:
+    ``[C, gh/m, m, p, gw/m, m, p]`` -> ``(gh/m, gw/m, m, m, C, T, p, p)``, each patch repeated T times."""
+    height, width, channels = image.shape
+    gh, gw = height // patch, width // patch
+    x = image.transpose(2, 0, 1).reshape(channels, gh // merge, merge, patch, gw // merge, merge, patch)
+    x = x.transpose(1, 4, 2, 5, 0, 3, 6)[:, :, :, :, :, None]
+    x = np.repeat(x, temporal, axis=5)
+    return x.reshape(gh * gw, channels * temporal * patch * patch)
+
+
 def _reference_rows(image: np.ndarray, lut: np.ndarray, patch: int, temporal: int) -> np.ndarray:
-    return geometry.patchify_qwen(geometry.apply_lut(image, lut), patch, 2, temporal)
+    return _patchify(_gather(image, lut), patch, 2, temporal)
 
 
 @pytest.mark.parametrize("backend", [ImageBackend.PIL, ImageBackend.TORCHVISION])
@@ -77,7 +96,7 @@ def test_raw_uint8_rows_and_temporal_repeat(temporal: int) -> None:
     image = np.random.default_rng(temporal).integers(0, 256, (64, 32, 3), dtype=np.uint8)
     got = image_rows(image, 16, 2, temporal, None)
     assert got.dtype == np.uint8
-    assert np.array_equal(got, geometry.patchify_qwen(image, 16, 2, temporal))
+    assert np.array_equal(got, _patchify(image, 16, 2, temporal))
     assert patch_rows_u8(image, 16, 2).shape == (8, 3, 256)
 
 

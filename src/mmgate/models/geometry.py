@@ -1,11 +1,12 @@
-"""Pure shared math of vision preprocessing: smart_resize, resize, normalize LUTs, patchify.
+"""Pure shared math of vision preprocessing: smart_resize, resize, normalize tables, patch geometry.
 
 Every function here ports one piece of a transformers 5.24 image processor and
 names it.  Exactness strategy: the decoded image is uint8, so rescale +
 normalize is a function of (channel, byte value) alone; we tabulate it as a
 ``[C, 256]`` float32 look-up table computed with *the reference's own
-arithmetic* (same dtypes, same operation order), then gather.  This gives
-bit-identical ``pixel_values`` and is faster than the float pipeline.
+arithmetic* (same dtypes, same operation order).  The row writer
+(:mod:`mmgate.models.image_rows`) computes with a formula proven equal to that
+table on every input, or gathers it; patchify lives there too.
 
 Resizing is the one step whose kernel differs by backend:
 * PIL backend (``*ImageProcessorPil``): ``PIL.Image.resize`` — we call Pillow.
@@ -195,36 +196,6 @@ def normalize_lut(backend: ImageBackend, rescale_factor: float, mean: tuple[floa
     else:
         table[:] = x
     return table
-
-
-def apply_lut(pixels: npt.NDArray[np.uint8], lut: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
-    """Gather ``lut[c, pixels[..., c]]``: uint8 ``[..., C]`` -> float32 ``[..., C]``."""
-    out = np.empty(pixels.shape, dtype=np.float32)
-    for c in range(pixels.shape[-1]):
-        np.take(lut[c], pixels[..., c], out=out[..., c])
-    return out
-
-
-def patchify_qwen(image: np.ndarray, patch_size: int, merge_size: int, temporal_patch_size: int) -> np.ndarray:
-    """Flatten one normalized image ``[H, W, C]`` into Qwen-VL patches.
-
-    Port of transformers 5.24 ``Qwen2VLImageProcessor.patchify`` (torchvision)
-    and ``Qwen2VLImageProcessorPil.patchify``: ``[C, gh/m, m, p, gw/m, m, p]``
-    permuted to ``(gh/m, gw/m, m, m, C, p, p)``, each patch repeated
-    ``temporal_patch_size`` times along a new T axis after C.
-
-    Returns:
-        ``[gh*gw, C*T*p*p]`` in the input's dtype (float32 normalized, or uint8 raw).
-    """
-    height, width, channels = image.shape
-    gh, gw = height // patch_size, width // patch_size
-    m, p, t = merge_size, patch_size, temporal_patch_size
-    x = image.reshape(gh // m, m, p, gw // m, m, p, channels)
-    # (gh/m, m, p, gw/m, m, p, C) -> (gh/m, gw/m, m_h, m_w, C, p_h, p_w)
-    x = x.transpose(0, 3, 1, 4, 6, 2, 5)
-    out = np.empty((gh // m, gw // m, m, m, channels, t, p, p), dtype=image.dtype)
-    out[...] = x[:, :, :, :, :, None, :, :]
-    return out.reshape(gh * gw, channels * t * p * p)
 
 
 def concat_rows(parts: Sequence[np.ndarray], width: int, dtype: np.dtype = np.dtype(np.float32)) -> np.ndarray:
