@@ -45,6 +45,7 @@ from mmgate.models.bundle import ModelBundle
 from mmgate.models.registry import Family
 from mmgate.planning import RequestPlan, hinted, plan_request, splice_all
 from mmgate.settings import Settings
+from mmgate.transport.placement import BufferTarget
 from mmgate.types import (
     DecodedImage,
     DecodedVideo,
@@ -245,44 +246,28 @@ class Pipeline:
                                  plans: Sequence[ItemPlan], raw: bool, defer: bool = False) -> EncoderBatch | None:
         """Preprocess planned images (pixel cache first, then the thread pool); None for no images.
 
-        ``defer``: return the batch with a :class:`PendingTensor` ``pixel_values``
-        whose ``fill`` does this work into a row target (see :meth:`_fill_images`).
+        The rows are computed by :meth:`_fill_images` into one array, or, with
+        ``defer``, later into whatever buffer the engine adapter gives the returned
+        :class:`PendingTensor` ``pixel_values``.
         """
         if not images:
             return None
         fingerprint = f"{family.fingerprint}:raw={raw}"
         keys = [item_hash(im.content_hash, hinted(fingerprint, r.hints)) for im, r in zip(images, refs)]
+        firsts = [0]
+        for pl in plans:
+            firsts.append(firsts[-1] + pl.num_patches)
+        dtype = np.dtype(np.uint8 if raw else np.float32)
+
+        async def fill(target: RowTarget) -> None:
+            await self._fill_images(family, images, plans, keys, firsts[:-1], raw, target)
+
         if defer:
-            firsts = [0]
-            for pl in plans:
-                firsts.append(firsts[-1] + pl.num_patches)
-
-            async def fill(target: RowTarget) -> None:
-                await self._fill_images(family, images, plans, keys, firsts[:-1], raw, target)
-
-            pending = PendingTensor(shape=(firsts[-1], family.row_width), dtype=np.dtype(np.uint8 if raw else np.float32),
-                                    fill=fill)
+            pending = PendingTensor(shape=(firsts[-1], family.row_width), dtype=dtype, fill=fill)
             return family.assemble([], plans, pixel_values=pending)
-        loop = asyncio.get_running_loop()
-        done: dict[str, np.ndarray] = {}
-        todo: dict[str, tuple[DecodedImage, ItemPlan]] = {}
-        for key, im, pl in zip(keys, images, plans):
-            if key in done or key in todo:
-                continue  # the same image twice in one request is preprocessed once
-            hit = self.cache.get(key) if self.cache is not None else None
-            if hit is not None:
-                done[key] = hit
-            else:
-                todo[key] = (im, pl)
-        computed = await asyncio.gather(*(
-            loop.run_in_executor(self.executor, family.preprocess_one, im, pl, raw) for im, pl in todo.values()
-        ))
-        for key, rows_of_item in zip(todo, computed):
-            done[key] = rows_of_item
-            if self.cache is not None:
-                self.cache.put(key, rows_of_item)
-        rows = [done[key] for key in keys]
-        return family.assemble(rows, plans)
+        rows = np.empty((firsts[-1], family.row_width), dtype=dtype)
+        await fill(BufferTarget(rows.reshape(-1).view(np.uint8), family.row_width, dtype.itemsize, owner=rows))
+        return family.assemble([rows], plans)
 
     async def _fill_images(self, family: Family, images: Sequence[DecodedImage], plans: Sequence[ItemPlan],
                            keys: Sequence[str], firsts: Sequence[int], raw: bool, target: RowTarget) -> None:
