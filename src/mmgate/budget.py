@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mmgate import metrics
 from mmgate.errors import ErrorCode, GatewayError
+from mmgate.memory import IdleTrimmer
 
 
 @dataclass
@@ -36,20 +38,25 @@ class BudgetGrant:
     def __init__(self, budget: InflightBudget | None, nbytes: int) -> None:
         self._budget = budget
         self.nbytes = nbytes
+        self.on_release: Callable[[], None] | None = None  # e.g. the idle trimmer's release
 
     def release(self) -> None:
         if self._budget is not None:
             budget, self._budget = self._budget, None
             budget._release(self.nbytes)
+        if self.on_release is not None:
+            fn, self.on_release = self.on_release, None
+            fn()
 
 
 class InflightBudget:
     """A byte budget shared by all requests of one gateway (event-loop confined)."""
 
-    def __init__(self, total_bytes: int | None, wait_s: float = 2.0) -> None:
+    def __init__(self, total_bytes: int | None, wait_s: float = 2.0, trimmer: IdleTrimmer | None = None) -> None:
         if total_bytes is not None and total_bytes <= 0:
             raise ValueError("an in-flight budget must be positive; use None for unbounded")
         self.total = total_bytes
+        self.trimmer = trimmer  # told of every grant, bounded or not, to trim the heap when idle (mmgate.memory)
         self.wait_s = wait_s
         self.in_use = 0
         self._waiters: deque[_Waiter] = deque()
@@ -66,6 +73,12 @@ class InflightBudget:
             GatewayError(MULTIMODAL_PAYLOAD_TOO_LARGE): larger than the whole budget (413).
             GatewayError(MULTIMODAL_INFLIGHT_BUDGET): no room in time, or the queue is full (429).
         """
+        grant = await self._acquire(nbytes)
+        if self.trimmer is not None and nbytes > 0:
+            grant.on_release = self.trimmer.hold(nbytes)
+        return grant
+
+    async def _acquire(self, nbytes: int) -> BudgetGrant:
         if self.total is None or nbytes == 0:
             return BudgetGrant(None, 0)
         if nbytes > self.total:

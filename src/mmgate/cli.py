@@ -17,10 +17,14 @@ from collections.abc import Sequence
 
 
 def serve(argv: Sequence[str]) -> int:
-    """Run the gateway until interrupted."""
+    """Run the gateway until interrupted (uvicorn with the limits of :mod:`mmgate.api.server`).
+
+    Returns 0 after a clean stop, 1 when the server did not start (port taken), 2 on a bad model.
+    """
     import uvicorn
 
     from mmgate.api.app import build_state, create_app
+    from mmgate.api.server import uvicorn_config
     from mmgate.errors import GatewayError
     from mmgate.settings import parse_settings
 
@@ -31,9 +35,12 @@ def serve(argv: Sequence[str]) -> int:
     except GatewayError as exc:
         print(f"mmgate: {exc.message}", file=sys.stderr)
         return 2
-    uvicorn.run(create_app(state), host=settings.host, port=settings.port, log_level=settings.log_level,
-                access_log=False)
-    return 0
+    server = uvicorn.Server(uvicorn_config(create_app(state), settings))
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    return 0 if server.started else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,6 +24,10 @@ class ErrorCode(StrEnum):
 
     INVALID_REQUEST = "invalid_request"
     REQUEST_TOO_LARGE = "request_too_large"
+    REQUEST_TIMEOUT = "request_timeout"  # headers or body did not arrive in time (the connection is closed)
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"  # a POST body that is not Content-Type: application/json
+    CLIENT_DISCONNECTED = "client_disconnected"  # the client left before its request was read; never delivered
+    SERVER_BUSY = "server_busy"  # past --max-connections open connections
     MODEL_NOT_FOUND = "model_not_found"
     MULTIMODAL_NOT_SUPPORTED = "multimodal_not_supported"
     MEDIA_COUNT_MISMATCH = "media_count_mismatch"
@@ -39,6 +43,7 @@ class ErrorCode(StrEnum):
     MEDIA_FETCH_TIMEOUT = "media_fetch_timeout"
     MEDIA_FETCH_UNAVAILABLE = "media_fetch_unavailable"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    RESERVED_TOKEN_IN_TEXT = "reserved_token_in_text"  # caller text holds a special/media token string
     MULTIMODAL_PAYLOAD_TOO_LARGE = "multimodal_payload_too_large"
     MULTIMODAL_INFLIGHT_BUDGET = "multimodal_inflight_budget"
     NO_HEALTHY_WORKER = "no_healthy_worker"
@@ -63,6 +68,10 @@ _SERVER = "server_error"
 ERROR_TABLE: dict[ErrorCode, ErrorSpec] = {
     ErrorCode.INVALID_REQUEST: ErrorSpec(400, False, _INVALID),
     ErrorCode.REQUEST_TOO_LARGE: ErrorSpec(413, False, _INVALID),
+    ErrorCode.REQUEST_TIMEOUT: ErrorSpec(408, False, _INVALID),
+    ErrorCode.UNSUPPORTED_MEDIA_TYPE: ErrorSpec(415, False, _INVALID),
+    ErrorCode.CLIENT_DISCONNECTED: ErrorSpec(499, False, _INVALID),  # nginx's "client closed request"
+    ErrorCode.SERVER_BUSY: ErrorSpec(503, True, _SERVER),
     ErrorCode.MODEL_NOT_FOUND: ErrorSpec(404, False, _INVALID),
     ErrorCode.MULTIMODAL_NOT_SUPPORTED: ErrorSpec(400, False, _INVALID),
     ErrorCode.MEDIA_COUNT_MISMATCH: ErrorSpec(400, False, _INVALID),
@@ -78,6 +87,7 @@ ERROR_TABLE: dict[ErrorCode, ErrorSpec] = {
     ErrorCode.MEDIA_FETCH_TIMEOUT: ErrorSpec(503, True, _SERVER),
     ErrorCode.MEDIA_FETCH_UNAVAILABLE: ErrorSpec(503, True, _SERVER),
     ErrorCode.CONTEXT_LENGTH_EXCEEDED: ErrorSpec(400, False, _INVALID),
+    ErrorCode.RESERVED_TOKEN_IN_TEXT: ErrorSpec(400, False, _INVALID),
     ErrorCode.MULTIMODAL_PAYLOAD_TOO_LARGE: ErrorSpec(413, False, _INVALID),
     ErrorCode.MULTIMODAL_INFLIGHT_BUDGET: ErrorSpec(429, True, _SERVER),
     ErrorCode.NO_HEALTHY_WORKER: ErrorSpec(503, True, _SERVER),

@@ -84,15 +84,34 @@ def wait_grpc_health(child: Child, timeout_s: float = 180.0) -> None:
     raise RuntimeError(f"{child.name} did not become healthy in {timeout_s}s:\n{child.log_tail()}")
 
 
+def gateway_answers(response: httpx.Response, want_workers: int = 0) -> bool:
+    """Whether a ``/health`` answer shows a running gateway with ``want_workers`` healthy workers.
+
+    ``/health`` is 503 while no worker is healthy; with ``want_workers == 0`` that answer counts too
+    (a gateway started without workers, or before any is up, is running).
+    """
+    if response.status_code not in (200, 503):
+        return False
+    try:
+        healthy = response.json().get("healthy_workers")
+    except ValueError:
+        return False
+    return isinstance(healthy, int) and healthy >= want_workers
+
+
 def wait_http_health(child: Child, timeout_s: float = 60.0, want_workers: int = 0) -> None:
-    """Wait until the gateway's /health answers (and reports ``want_workers`` healthy workers)."""
+    """Wait until the gateway's /health answers and reports ``want_workers`` healthy workers
+    (see :func:`gateway_answers`).
+
+    Raises:
+        RuntimeError: the gateway exited, or did not get there in ``timeout_s`` seconds (its log attached).
+    """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if child.proc.poll() is not None:
             raise RuntimeError(f"{child.name} exited ({child.proc.returncode}):\n{child.log_tail()}")
         try:
-            r = httpx.get(f"http://127.0.0.1:{child.port}/health", timeout=1.0)
-            if r.status_code == 200 and r.json().get("healthy_workers", 0) >= want_workers:
+            if gateway_answers(httpx.get(f"http://127.0.0.1:{child.port}/health", timeout=1.0), want_workers):
                 return
         except httpx.HTTPError:
             pass

@@ -28,6 +28,8 @@ MM_TENSOR_BYTES = Counter("smg_mm_tensor_bytes_total", "Encoder tensor bytes sen
 MM_TENSORS = Counter("smg_mm_tensors_total", "Encoder tensors sent to engines", ["engine", "path"], registry=REGISTRY)
 PROMPT_TOKENS = Counter("mmgate_prompt_tokens_total", "Expanded prompt tokens sent", registry=REGISTRY)
 COMPLETION_TOKENS = Counter("mmgate_completion_tokens_total", "Completion tokens received", registry=REGISTRY)
+CLIENT_DISCONNECTS = Counter("mmgate_client_disconnects_total",
+                             "Requests cancelled because their client disconnected before the answer", registry=REGISTRY)
 ACTIVE_REQUESTS = Gauge("mmgate_active_requests", "Requests in flight", registry=REGISTRY)
 WORKER_HEALTHY = Gauge("mmgate_worker_healthy", "1 when the worker's last health check passed", ["worker"],
                        registry=REGISTRY)

@@ -24,27 +24,30 @@ import asyncio
 import os
 import threading
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from mmgate import metrics
-from mmgate.api.protocol import ChatCompletionRequest
+from mmgate.api.protocol import ChatCompletionRequest, TextPart
 from mmgate.cache import PixelCache
+from mmgate.chat.integrity import ReservedTokens
 from mmgate.chat.template import render_chat
 from mmgate.chat.tokenizer import BundleTokenizer
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.fetch import MediaFetcher
 from mmgate.media.hashing import item_hash
 from mmgate.media.image import decode_image
-from mmgate.media.video import PixelAllowance, decode_video
+from mmgate.media.video import PixelAllowance, decode_video, planned_clip, upright_turns
 from mmgate.models.bundle import ModelBundle
 from mmgate.models.registry import Family
 from mmgate.planning import RequestPlan, hinted, plan_request, splice_all
 from mmgate.settings import Settings
+from mmgate.transport.limits import element_bytes, encoder_bytes_limit, payload_too_large
 from mmgate.transport.placement import BufferTarget
 from mmgate.types import (
     DecodedImage,
@@ -59,21 +62,65 @@ from mmgate.types import (
     Replacement,
     RowTarget,
     SamplingParams,
+    VideoMeta,
     VideoPlan,
 )
 
 
 @dataclass(frozen=True, slots=True)
 class ModelRuntime:
-    """One served model: its bundle, tokenizer and family (None: text only)."""
+    """One served model: its bundle, tokenizer and family (None: text only).
+
+    ``reserved``: the token strings caller text may not contain (:mod:`mmgate.chat.integrity`),
+    derived from the tokenizer's special tokens and the family's declared tokens unless given.
+    """
 
     bundle: ModelBundle
     tokenizer: BundleTokenizer
     family: Family | None
     served_name: str
+    reserved: ReservedTokens = field(default_factory=lambda: ReservedTokens(()))
+    #: the ids of ``reserved`` tokens
+    reserved_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if not self.reserved.tokens:
+            family_tokens = self.family.reserved_tokens if self.family is not None else ()
+            object.__setattr__(self, "reserved", ReservedTokens.for_model(self.tokenizer.special_added_tokens(),
+                                                                          family_tokens))
+        ids = (self.tokenizer.token_id(t) for t in self.reserved.tokens)
+        object.__setattr__(self, "reserved_ids", frozenset(i for i in ids if i is not None))
 
     def accepts(self, model: str) -> bool:
         return model in (self.served_name, self.bundle.name, str(self.bundle.path))
+
+
+def context_length(bundle: ModelBundle) -> int:
+    """The model's context length in tokens, as vLLM derives ``max_model_len`` by default: the text
+    model's ``max_position_embeddings`` (``text_config``, ``thinker_config.text_config`` or the top
+    level of ``config.json``), else the tokenizer's ``model_max_length``; 0 when unknown.
+
+    Mirrors vLLM ``config/model.py`` ``_get_and_verify_max_len`` (the ``max_position_embeddings``
+    key, without rope scaling: the Qwen-VL configs carry mrope sections, not a length factor).
+    """
+    config = bundle.config
+    candidates: list[Any] = []
+    for holder in (config.get("text_config"), (config.get("thinker_config") or {}).get("text_config"), config):
+        if isinstance(holder, dict):
+            candidates.append(holder.get("max_position_embeddings"))
+    candidates.append(bundle.tokenizer_config.get("model_max_length"))
+    for value in candidates:
+        if isinstance(value, (int, float)) and 0 < value < 2**31:
+            return int(value)
+    return 0
+
+
+#: how far Unicode normalization (NFC/NFKC) can shorten text: at most 4 characters compose into one
+_NORMALIZATION_SLACK = 4
+
+#: below this many messages and characters a prompt is rendered on the event loop (cheaper than a thread hop)
+_INLINE_RENDER_MESSAGES = 64
+_INLINE_RENDER_CHARS = 32 * 1024
 
 
 class Pipeline:
@@ -89,14 +136,47 @@ class Pipeline:
         #: pool threads one large image may be split across (``_fill_images``)
         self.parallelism = parallelism or os.cpu_count() or 1
 
-    def _sampling(self, req: ChatCompletionRequest) -> SamplingParams:
+    @property
+    def max_model_len(self) -> int:
+        """The context length requests are checked against (``--max-model-len``, else the bundle's;
+        0: unknown, nothing checked here and the engine decides)."""
+        return self.settings.max_model_len or context_length(self.runtime.bundle)
+
+    def _sampling(self, req: ChatCompletionRequest, prompt_len: int = 0) -> SamplingParams:
+        """The request's sampling parameters, ``max_tokens`` checked against the context room.
+
+        As vLLM's OpenAI server (``entrypoints/openai/serving_engine.py`` ``_validate_input`` and
+        ``entrypoints/utils.py`` ``get_max_tokens``, v0.11): a prompt of ``max_model_len`` tokens or
+        more is refused; a ``max_tokens`` / ``max_completion_tokens`` larger than the room left after
+        the prompt is refused (400 ``context_length_exceeded``, ``param`` the field); without one,
+        ``--default-max-tokens`` capped to the room.  ``prompt_len`` is the expanded prompt (the
+        unexpanded one, a lower bound, when a worker expands media itself).
+
+        Raises:
+            GatewayError(CONTEXT_LENGTH_EXCEEDED)
+        """
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        field_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        limit = self.max_model_len
+        if limit:
+            room = limit - prompt_len
+            if room < 1:
+                raise GatewayError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                                   f"the prompt has {prompt_len} tokens; the model's context is {limit} tokens",
+                                   "messages")
+            if max_tokens is not None and max_tokens > room:
+                raise GatewayError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                                   f"{field_name} exceeds the {room} tokens left: the model's context is {limit} "
+                                   f"tokens and the prompt has {prompt_len}", field_name)
+            if max_tokens is None:
+                max_tokens = min(self.settings.default_max_tokens, room)
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         return SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else self.settings.default_max_tokens,
             temperature=req.temperature, top_p=req.top_p if req.top_p is not None else 1.0,
-            top_k=req.top_k or 0, seed=req.seed, stop=stop, ignore_eos=req.ignore_eos,
-            frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
+            top_k=req.top_k if req.top_k is not None and req.top_k > 0 else 0, seed=req.seed, stop=stop,
+            ignore_eos=req.ignore_eos, frequency_penalty=req.frequency_penalty,
+            presence_penalty=req.presence_penalty,
         )
 
     async def prepare(self, req: ChatCompletionRequest, request_id: str | None = None,
@@ -120,30 +200,60 @@ class Pipeline:
         """
         timings: dict[str, float] = {}
         runtime = self.runtime
-        plan, prompt, ids = self.render_prompt(req, timings)
+        plan, prompt, ids = await self.render_prompt_async(req, timings)
+        self._sampling(req, len(ids))  # refuse an over-long prompt before fetching anything
         ids, batches, plans = await self.process_media(ids, plan, timings, choose_worker, defer_pixels)
         return PreparedRequest(
             request_id=request_id or f"chatcmpl-{uuid.uuid4().hex}", model=runtime.served_name, prompt_text=prompt,
-            input_ids=tuple(ids), batches=batches, sampling=self._sampling(req), stream=req.stream, plans=plans,
-            timings_ms=timings,
+            input_ids=tuple(ids), batches=batches, sampling=self._sampling(req, len(ids)), stream=req.stream,
+            plans=plans, timings_ms=timings,
         )
+
+    async def render_prompt_async(self, req: ChatCompletionRequest,
+                                  timings: dict[str, float]) -> tuple[RequestPlan, str, list[int]]:
+        """:meth:`render_prompt`, on the event loop for a small conversation, in the pool otherwise (a
+        huge text or many messages never stall other requests)."""
+        if _small_conversation(req):
+            return self.render_prompt(req, timings)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self.render_prompt, req, timings)
 
     def render_prompt(self, req: ChatCompletionRequest,
                       timings: dict[str, float]) -> tuple[RequestPlan, str, list[int]]:
         """Plan and render+tokenize: the plan, the rendered prompt, its ids (one anchor per item).
 
-        Every refusal of planning comes first; nothing is fetched.  Used by
-        :meth:`prepare` and by worker-side forwarding (``--mm-processing``).
+        Every refusal of planning comes first; nothing is fetched.  Prompt integrity: reserved
+        token strings typed by the caller are tokenized as plain text (:mod:`mmgate.chat.integrity`).
+        Before tokenizing, a length bound: caller text of more characters than ``max_model_len`` tokens can
+        cover (the tokenizer's longest entry times the normalization slack) cannot fit and is
+        refused without tokenizing it; after tokenizing, the exact count is checked by the caller
+        (:meth:`_sampling`).  Used by :meth:`prepare` and by worker-side forwarding
+        (``--mm-processing``).
+
+        Raises:
+            GatewayError: planning refusals, RESERVED_TOKEN_IN_TEXT, CONTEXT_LENGTH_EXCEEDED,
+                INVALID_REQUEST (the template refused the conversation).
         """
         runtime = self.runtime
         with metrics.stage("plan", timings):
             plan = plan_request(req, runtime, self.settings)
+            limit = self.max_model_len
+            if limit:
+                chars = _text_chars(plan.template_messages)
+                if chars > limit * runtime.tokenizer.max_token_chars * _NORMALIZATION_SLACK:
+                    raise GatewayError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                                       f"the messages are longer than the model's context of {limit} tokens can hold",
+                                       "messages")
+            safe = runtime.reserved.sanitize(plan.template_messages, req.chat_template_kwargs)
         with metrics.stage("render", timings):
             if runtime.bundle.chat_template is None:
                 raise GatewayError(ErrorCode.INVALID_REQUEST, "model has no chat template")
-            prompt = render_chat(runtime.bundle.chat_template, plan.template_messages, runtime.tokenizer.special_tokens,
-                                 add_generation_prompt=req.add_generation_prompt, extra=req.chat_template_kwargs)
-            ids = runtime.tokenizer.encode_prompt(prompt)
+            prompt = render_chat(runtime.bundle.chat_template, safe.messages, runtime.tokenizer.special_tokens,
+                                 add_generation_prompt=req.add_generation_prompt, extra=safe.template_kwargs)
+            segments = safe.segments(prompt)
+            ids = runtime.tokenizer.encode_segments(segments, runtime.reserved_ids)
+            if safe.typed:
+                prompt = "".join(text for text, _ in segments)
         return plan, prompt, ids
 
     async def process_media(self, ids: list[int], plan: RequestPlan, timings: dict[str, float],
@@ -156,6 +266,12 @@ class Pipeline:
         of media processing: the gateway runs it in router mode; the reference
         engine (``--mm-processor inprocess``) and the Redis sidecar run it on
         forwarded media references (``RequestPlan(template_messages=[], media=refs)``).
+
+        In the gateway (``choose_worker`` given: the tensors then travel to an engine), a request
+        whose planned encoder tensors exceed what the transport carries
+        (:func:`mmgate.transport.limits.encoder_bytes_limit`) is refused with 413
+        ``multimodal_payload_too_large``: a clip from its header before it is decoded, the whole
+        request after decoding and before preprocessing.
         """
         family = self.runtime.family
         modalities = frozenset(r.modality for r in plan.media)
@@ -173,12 +289,17 @@ class Pipeline:
                     raise GatewayError(ErrorCode.MEDIA_COUNT_MISMATCH, f"the prompt has {found} {modality.value} "
                                        f"anchors for {count} {modality.value}s", "messages")
             with metrics.stage("fetch_decode", timings):
-                decoded, clips = await _all_or_none(self._fetch_decode(images), self._fetch_decode_videos(family, videos))
+                limit = encoder_bytes_limit(self.settings.transport) if choose_worker is not None else None
+                decoded, clips = await _all_or_none(self._fetch_decode(images),
+                                                    self._fetch_decode_videos(family, videos, limit))
             with metrics.stage("preprocess", timings):
                 image_plans = tuple(_at(r, family.plan, Modality.IMAGE, im.height, im.width, r.hints)
                                     for im, r in zip(decoded, images))
                 video_plans = tuple(_at(r, family.plan_video, clip, r.hints) for clip, r in zip(clips, videos))
                 raw = choose_worker(modalities) if choose_worker is not None else False
+                if limit is not None:
+                    items = [*zip(image_plans, images), *((vp.item, r) for vp, r in zip(video_plans, videos))]
+                    _check_payload(family, items, element_bytes(self.settings.transport, raw), limit)
                 defer = defer_pixels and plan.media[0].modality is Modality.IMAGE
                 image_batch, video_batch = await _all_or_none(
                     self._preprocess_images(family, decoded, images, image_plans, raw, defer),
@@ -193,7 +314,8 @@ class Pipeline:
                 if videos:
                     reps[anchors[Modality.VIDEO]] = [family.expand_video(pl) for pl in video_plans]
                     made[Modality.VIDEO] = (video_batch, tuple(
-                        item_hash(c.content_hash, hinted(family.video_fingerprint, r.hints)) for c, r in zip(clips, videos)))
+                        item_hash(c.content_hash, hinted(self._video_fingerprint(family, c), r.hints))
+                        for c, r in zip(clips, videos)))
                 ids, ranges = splice_all(ids, reps)
                 batches = tuple(_with_items(*made[m], ranges[anchors[m]])
                                 for m in dict.fromkeys(r.modality for r in plan.media) if m in made)
@@ -314,11 +436,22 @@ class Pipeline:
                 if hits[key] is None and rows is not None:
                     self.cache.put(key, rows)
 
-    async def _fetch_decode_videos(self, family: Family, refs: Sequence[MediaRef]) -> list[DecodedVideo]:
+    def _video_fingerprint(self, family: Family, clip: DecodedVideo) -> str:
+        """The video processor fingerprint of ``clip``'s hash; a clip turned upright hashes apart from the
+        same clip in its stored orientation (``--no-video-apply-rotation``)."""
+        turned = self.settings.video.apply_rotation and upright_turns(clip.rotation)
+        return f"{family.video_fingerprint}:upright" if turned else family.video_fingerprint
+
+    async def _fetch_decode_videos(self, family: Family, refs: Sequence[MediaRef],
+                                   limit: int | None = None) -> list[DecodedVideo]:
         """Fetch each distinct URL once; sample and decode each distinct (URL, fps hint) once, one clip per
         pool task, all clips sharing the request's decoded-pixel allowance.  When this fails or is
         cancelled (another item failed, the client went away), the decoding threads stop at their
-        next frame."""
+        next frame.
+
+        ``limit``: encoder-tensor bytes the request may plan; the clips planned from their headers
+        (sampled frames, header size) must fit in it together, or the request is refused before
+        they are decoded (413 ``multimodal_payload_too_large`` naming the clip that goes over)."""
         if not refs:
             return []
         loop = asyncio.get_running_loop()
@@ -326,13 +459,29 @@ class Pipeline:
         allowance = PixelAllowance(vs.max_decoded_pixels)
         stop = threading.Event()
         payloads: dict[str, asyncio.Future[bytes]] = {}
+        planned: dict[tuple[str, float | None], int] = {}  # header-planned bytes per distinct clip
+        planned_lock = threading.Lock()
+        itemsize = element_bytes(self.settings.transport, raw=False)
+
+        def sampler(ref: MediaRef) -> Callable[[VideoMeta], list[int]]:
+            def sample(meta: VideoMeta) -> list[int]:
+                indices = family.sample_video(meta, ref.hints)
+                if limit is not None:
+                    item = family.plan_video(planned_clip(meta, indices), ref.hints).item
+                    with planned_lock:
+                        planned[(ref.url, ref.hints.fps)] = item.num_patches * family.row_width * itemsize
+                        total = sum(planned.values())
+                    if total > limit:
+                        raise payload_too_large(total, limit, ref.param)
+                return indices
+            return sample
 
         async def one(ref: MediaRef) -> DecodedVideo:
             data = await payloads[ref.url]
             try:
-                return await loop.run_in_executor(self.executor, decode_video, data,
-                                                  lambda meta: family.sample_video(meta, ref.hints), allowance,
-                                                  vs.decode_timeout_s, stop)
+                return await loop.run_in_executor(self.executor, partial(
+                    decode_video, data, sampler(ref), allowance, vs.decode_timeout_s, stop,
+                    apply_rotation=vs.apply_rotation))
             except GatewayError as exc:
                 raise GatewayError(exc.code, exc.message, ref.param) from None
 
@@ -387,9 +536,49 @@ def _at(ref: MediaRef, fn: Callable[..., Any], *args: Any) -> Any:
         raise GatewayError(exc.code, exc.message, exc.param or ref.param) from None
 
 
+def _check_payload(family: Family, items: Sequence[tuple[ItemPlan, MediaRef]], itemsize: int, limit: int) -> None:
+    """Refuse (413 ``multimodal_payload_too_large``, naming the largest item) planned ``pixel_values``
+    of more than ``limit`` bytes: rows (``num_patches``) x the family's row width x ``itemsize``.
+
+    Raises:
+        GatewayError(MULTIMODAL_PAYLOAD_TOO_LARGE): over the limit.
+    """
+    sizes = [pl.num_patches * family.row_width * itemsize for pl, _ in items]
+    if sizes and sum(sizes) > limit:
+        raise payload_too_large(sum(sizes), limit, items[sizes.index(max(sizes))][1].param)
+
+
 def _with_items(batch: EncoderBatch | None, hashes: tuple[str, ...], ranges: Sequence[PlaceholderRange]) -> EncoderBatch:
     """``batch`` with its items' hashes and placeholder ranges."""
     assert batch is not None
     return EncoderBatch(modality=batch.modality, tensors=batch.tensors, batched_keys=batch.batched_keys,
                         flat_keys=batch.flat_keys, keep_on_cpu_keys=batch.keep_on_cpu_keys,
                         placeholder_token_id=batch.placeholder_token_id, placeholders=tuple(ranges), mm_hashes=hashes)
+
+
+def _small_conversation(req: ChatCompletionRequest) -> bool:
+    """Few messages and little text: rendering costs less than a trip to the pool."""
+    if len(req.messages) > _INLINE_RENDER_MESSAGES:
+        return False
+    chars = 0
+    for message in req.messages:
+        content = message.content
+        if isinstance(content, str):
+            chars += len(content)
+        elif content is not None:
+            chars += sum(len(p.text) for p in content if isinstance(p, TextPart))
+        if message.tool_calls or chars > _INLINE_RENDER_CHARS:
+            return False
+    return not req.chat_template_kwargs
+
+
+def _text_chars(messages: Sequence[Mapping[str, Any]]) -> int:
+    """Characters of the caller text a template renders (content strings and text parts)."""
+    total = 0
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(p["text"]) for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str))
+    return total

@@ -9,11 +9,12 @@ tokenized prompt by its placeholder run.  Used by :mod:`mmgate.pipeline`.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mmgate.api.protocol import AudioPart, ChatCompletionRequest, ImagePart, TextPart, VideoPart
+from mmgate.api.protocol import AudioPart, ChatCompletionRequest, ImagePart, Message, TextPart, ToolCall, VideoPart
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.fetch import check_scheme
 from mmgate.settings import Settings
@@ -36,18 +37,26 @@ def plan_request(req: ChatCompletionRequest, runtime: ModelRuntime, settings: Se
 
     Media parts become ``{"type": "image"}`` / ``{"type": "video"}`` (the
     form transformers processors feed templates; the URL never reaches the
-    template).
+    template).  The other fields follow vLLM's message parsing
+    (``vllm/entrypoints/chat_utils.py`` ``_parse_chat_message_content`` and
+    ``_postprocess_messages``, v0.11), see :func:`_template_message`.
 
     Raises:
-        GatewayError: MODEL_NOT_FOUND, MULTIMODAL_NOT_SUPPORTED,
+        GatewayError: MODEL_NOT_FOUND (the name is not quoted), INVALID_REQUEST
+            (``chat_template_kwargs`` naming a special token), MULTIMODAL_NOT_SUPPORTED,
             MM_ITEM_LIMIT_EXCEEDED, UNSUPPORTED_MEDIA_URL_SCHEME, INVALID_MEDIA_URL.
     """
     if not runtime.accepts(req.model):
-        raise GatewayError(ErrorCode.MODEL_NOT_FOUND, f"model {req.model[:200]!r} is not served here", "model")
+        raise GatewayError(ErrorCode.MODEL_NOT_FOUND, "the requested model is not served here (see GET /v1/models)",
+                           "model")
+    kwargs = req.chat_template_kwargs
+    if kwargs and not runtime.tokenizer.special_tokens.keys().isdisjoint(kwargs):
+        raise GatewayError(ErrorCode.INVALID_REQUEST, "chat_template_kwargs may not override the tokenizer's "
+                           "special tokens", "chat_template_kwargs")
     messages: list[dict[str, Any]] = []
     media: list[MediaRef] = []
     for mi, message in enumerate(req.messages):
-        msg: dict[str, Any] = {"role": message.role}
+        msg: dict[str, Any] = {}
         if isinstance(message.content, list):
             parts: list[dict[str, Any]] = []
             for pi, part in enumerate(message.content):
@@ -70,13 +79,62 @@ def plan_request(req: ChatCompletionRequest, runtime: ModelRuntime, settings: Se
             msg["content"] = parts
         else:
             msg["content"] = message.content
-        for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
-            value = getattr(message, key)
-            if value is not None:
-                msg[key] = value
-        messages.append(msg)
+        messages.append(_template_message(message, msg.get("content")))
     _check_media(media, runtime, settings)
     return RequestPlan(template_messages=messages, media=tuple(media))
+
+
+def _template_message(message: Message, content: str | list[dict[str, Any]] | None) -> dict[str, Any]:
+    """One message as the chat template sees it (``content`` already mapped), as vLLM builds it.
+
+    Mirrors vLLM ``vllm/entrypoints/chat_utils.py`` (v0.11)
+    ``_parse_chat_message_content`` and ``_postprocess_messages``:
+
+    * ``content: null`` becomes empty content: ``""`` here (vLLM: ``[]`` for
+      templates that iterate over parts, ``""`` for string templates; the two
+      render alike wherever a template accepts both, and ``""`` suits both kinds);
+    * ``tool_calls`` are kept on assistant messages only, an empty list is
+      dropped, and each ``function.arguments`` JSON string is parsed into an
+      object (not JSON, or absent: ``{}``), as tool-use templates expect;
+    * ``tool_call_id`` is kept on tool messages only; a tool message whose parts
+      are all text becomes the parts' texts joined by newlines;
+    * ``reasoning_content`` is kept on assistant messages only; ``name`` on any;
+    * roles pass through unchanged (``developer`` included, as vLLM passes it).
+    """
+    role = message.role
+    msg: dict[str, Any] = {"role": role, "content": "" if content is None else content}
+    if role == "assistant":
+        if message.tool_calls:
+            msg["tool_calls"] = [_tool_call(call) for call in message.tool_calls]
+        if message.reasoning_content is not None:
+            msg["reasoning_content"] = message.reasoning_content
+    elif role == "tool":
+        if message.tool_call_id is not None:
+            msg["tool_call_id"] = message.tool_call_id
+        if isinstance(content, list) and all(part.get("type") == "text" for part in content):
+            msg["content"] = "\n".join(part["text"] for part in content)
+    if message.name is not None:
+        msg["name"] = message.name
+    return msg
+
+
+def _tool_call(call: ToolCall) -> dict[str, Any]:
+    """A tool call as a template expects it: ``arguments`` an object (vLLM ``_postprocess_messages``).
+
+    The arguments string is bounded in nesting by ``parse_chat_request`` before it is parsed here.
+    """
+    arguments: Any = call.function.arguments
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:  # not JSON (JSONDecodeError), or an integer past Python's digit limit
+            arguments = {}
+    if not isinstance(arguments, (dict, list)):
+        arguments = {}
+    out: dict[str, Any] = {"type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
+    if call.id is not None:
+        out["id"] = call.id
+    return out
 
 
 def _check_media(media: Sequence[MediaRef], runtime: ModelRuntime, settings: Settings) -> None:

@@ -37,6 +37,7 @@ ENV_IMAGE_MAX_BYTES = "SMG_IMAGE_MAX_INPUT_BYTES"
 ENV_VIDEO_MAX_BYTES = "SMG_VIDEO_MAX_INPUT_BYTES"
 ENV_AUDIO_MAX_BYTES = "SMG_AUDIO_MAX_INPUT_BYTES"
 ENV_ALLOW_PRIVATE = "MMGATE_ALLOW_PRIVATE_MEDIA_HOSTS"
+ENV_VIDEO_APPLY_ROTATION = "MMGATE_VIDEO_APPLY_ROTATION"
 
 
 DEFAULT_IMAGE_MAX_BYTES = 20 * 1024 * 1024
@@ -78,6 +79,20 @@ class VideoSettings:
 
     max_decoded_pixels: int = DEFAULT_VIDEO_MAX_DECODED_PIXELS  # per request: sum of sampled frames x H x W
     decode_timeout_s: float = DEFAULT_VIDEO_DECODE_TIMEOUT_S  # per clip, wall clock
+    apply_rotation: bool = True  # display-matrix rotation applied (upright, as ffmpeg/OpenCV); False: as the reference
+
+
+@dataclass(frozen=True, slots=True)
+class HttpSettings:
+    """Limits of the HTTP server itself (``mmgate.api.server``; docs/limits.md, "HTTP connection")."""
+
+    header_timeout_s: float = 10.0  # request line + headers, from connect (or the first byte after a response)
+    body_idle_timeout_s: float = 30.0  # longest wait for the next chunk of a request body
+    body_timeout_s: float = 120.0  # whole request body, from the first receive
+    max_connections: int = 1024  # open connections; past it a request gets 503 server_busy
+
+
+_HTTP_DEFAULTS = HttpSettings()
 
 
 class TensorTransport(StrEnum):
@@ -174,14 +189,21 @@ class Settings:
     image_backend: ImageBackend = ImageBackend.AUTO
     item_limits: Mapping[str, int] = field(default_factory=dict)  # per-modality overrides
     default_max_tokens: int = 64
+    max_model_len: int = 0  # context length in tokens; 0: from the bundle's config (mmgate.pipeline.context_length)
     fetch: FetchSettings = field(default_factory=FetchSettings)
     video: VideoSettings = field(default_factory=VideoSettings)
     transport: TransportSettings = field(default_factory=TransportSettings)
+    http: HttpSettings = field(default_factory=HttpSettings)
     mm_processing: MmProcessing = MmProcessing.AUTO
     mm_processing_models: tuple[str, ...] | None = None  # opted in to worker-side processing; None: every model
     preprocess_threads: int = 0  # 0: os.cpu_count()
     max_request_body_bytes: int = 0  # 0: derived from the per-item byte caps (api.app.body_limit_for)
     log_level: str = "info"
+    worker_health_interval_s: float = 5.0  # seconds between worker health probes (routing.workers.HealthPolicy)
+    worker_health_timeout_s: float = 2.0  # deadline of one health probe RPC
+    worker_unhealthy_after: int = 3  # consecutive failed probes (busy timeouts excluded) before a worker is unhealthy
+    memory_trim_min_bytes: int = 8 * 1024 * 1024  # a request this large makes the idle gateway malloc_trim; 0: off
+    malloc_mmap_threshold: int = 0  # bytes: fixed glibc M_MMAP_THRESHOLD; 0: glibc's dynamic default
 
 
 def _env_bool(value: str | None) -> bool:
@@ -220,6 +242,18 @@ def _parse_limits(values: Sequence[str]) -> dict[str, int]:
     return limits
 
 
+def _positive(value: float, flag: str) -> float:
+    if value <= 0:
+        raise SystemExit(f"{flag} must be positive")
+    return value
+
+
+def _mmap_threshold(value: int) -> int:
+    if not 0 <= value <= 32 * 1024 * 1024:
+        raise SystemExit("--malloc-mmap-threshold must be 0..33554432 bytes")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mmgate serve", description="Run the mmgate OpenAI-compatible gateway.")
     p.add_argument("--model", required=True, help="model bundle: a folder, or org/name found on the model search path")
@@ -233,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mm-limit", action="append", default=[], metavar="MODALITY=COUNT",
                    help="per-request item limit override, e.g. image=4")
     p.add_argument("--default-max-tokens", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=0,
+                   help="context length in tokens (prompt + completion); 0: the bundle's max_position_embeddings")
     p.add_argument("--mm-allowed-media-domains", nargs="*", default=[])
     p.add_argument("--mm-allow-private-media-hosts", action="store_true", default=None,
                    help=f"allow loopback/private media hosts (env {ENV_ALLOW_PRIVATE}); for trusted setups and tests")
@@ -246,6 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per request: sampled video frames x height x width, checked before decoding")
     p.add_argument("--video-decode-timeout", type=float, default=DEFAULT_VIDEO_DECODE_TIMEOUT_S,
                    help="wall-clock limit of decoding one clip, seconds")
+    p.add_argument("--video-apply-rotation", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"turn rotated clips upright by their display matrix, as ffmpeg/OpenCV (env "
+                        f"{ENV_VIDEO_APPLY_ROTATION}; default on); --no-video-apply-rotation: the stored "
+                        "orientation, as the transformers pyav loader")
     p.add_argument("--audio-max-input-bytes", type=int, default=None, help=f"env {ENV_AUDIO_MAX_BYTES}")
     p.add_argument("--mm-image-max-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
                    help="refuse images whose header declares more pixels (decompression bombs)")
@@ -266,7 +306,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="models opted in to worker-side processing (served or bundle name); unset: every model")
     p.add_argument("--max-request-body-bytes", type=int, default=0,
                    help="413 request_too_large past this body size (0: largest per-item cap in base64 + 1 MiB)")
+    p.add_argument("--http-header-timeout", type=float, default=_HTTP_DEFAULTS.header_timeout_s,
+                   help="seconds for a request's line and headers to arrive; past it 408 request_timeout and close")
+    p.add_argument("--http-body-timeout", type=float, default=_HTTP_DEFAULTS.body_timeout_s,
+                   help="seconds for a whole request body to arrive; past it 408 request_timeout and close")
+    p.add_argument("--http-body-idle-timeout", type=float, default=_HTTP_DEFAULTS.body_idle_timeout_s,
+                   help="seconds between two chunks of a request body; past it 408 request_timeout and close")
+    p.add_argument("--max-connections", type=int, default=_HTTP_DEFAULTS.max_connections,
+                   help="open HTTP connections served; a request on one past it gets 503 server_busy")
     p.add_argument("--preprocess-threads", type=int, default=0)
+    p.add_argument("--worker-health-interval", type=float, default=5.0, help="seconds between worker health probes")
+    p.add_argument("--worker-health-timeout", type=float, default=2.0, help="deadline of one health probe, seconds")
+    p.add_argument("--worker-unhealthy-after", type=int, default=3,
+                   help="consecutive failed probes before a worker is unhealthy (nothing listening: at once; "
+                        "a timeout while the worker is busy does not count)")
+    p.add_argument("--memory-trim-min-bytes", type=int, default=8 * 1024 * 1024,
+                   help="after a request holding this many encoder bytes, malloc_trim once the gateway is idle (0: off)")
+    p.add_argument("--malloc-mmap-threshold", type=int, default=0,
+                   help="fixed glibc M_MMAP_THRESHOLD in bytes, up to 32 MiB (0: glibc's dynamic default)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -305,9 +362,17 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
             raise SystemExit(f"{name} must be positive")
     if fetch.max_redirects < 0:
         raise SystemExit("--mm-max-redirects must be 0 or more")
-    video = VideoSettings(max_decoded_pixels=ns.video_max_decoded_pixels, decode_timeout_s=ns.video_decode_timeout)
+    apply_rotation = ns.video_apply_rotation
+    if apply_rotation is None:
+        apply_rotation = _env_bool(environ.get(ENV_VIDEO_APPLY_ROTATION, "1"))
+    video = VideoSettings(max_decoded_pixels=ns.video_max_decoded_pixels, decode_timeout_s=ns.video_decode_timeout,
+                          apply_rotation=apply_rotation)
     if video.max_decoded_pixels <= 0 or video.decode_timeout_s <= 0:
         raise SystemExit("--video-max-decoded-pixels and --video-decode-timeout must be positive")
+    http = HttpSettings(header_timeout_s=ns.http_header_timeout, body_idle_timeout_s=ns.http_body_idle_timeout,
+                        body_timeout_s=ns.http_body_timeout, max_connections=ns.max_connections)
+    if min(http.header_timeout_s, http.body_idle_timeout_s, http.body_timeout_s, http.max_connections) <= 0:
+        raise SystemExit("--http-*-timeout and --max-connections must be positive")
     return Settings(
         model=ns.model,
         model_search_path=split_search_path(ns.model_path or environ.get(ENV_MODEL_PATH)),
@@ -318,12 +383,19 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         image_backend=image_backend,
         item_limits=_parse_limits(ns.mm_limit),
         default_max_tokens=ns.default_max_tokens,
+        max_model_len=max(0, ns.max_model_len),
         fetch=fetch,
         video=video,
         transport=_transport_settings(ns, environ),
+        http=http,
         mm_processing=_mm_processing(ns.mm_processing, environ),
         mm_processing_models=None if ns.mm_processing_models is None else tuple(ns.mm_processing_models),
         preprocess_threads=ns.preprocess_threads,
         max_request_body_bytes=max(0, ns.max_request_body_bytes),
         log_level=ns.log_level,
+        worker_health_interval_s=_positive(ns.worker_health_interval, "--worker-health-interval"),
+        worker_health_timeout_s=_positive(ns.worker_health_timeout, "--worker-health-timeout"),
+        worker_unhealthy_after=int(_positive(ns.worker_unhealthy_after, "--worker-unhealthy-after")),
+        memory_trim_min_bytes=max(0, ns.memory_trim_min_bytes),
+        malloc_mmap_threshold=_mmap_threshold(ns.malloc_mmap_threshold),
     )

@@ -104,12 +104,14 @@ class VideoMeta:
 
 @dataclass(frozen=True, slots=True)
 class DecodedVideo:
-    """The sampled frames of one clip, RGB, in the stored orientation.
+    """The sampled frames of one clip, RGB, upright or in the stored orientation.
 
     ``frames``: uint8 ``[N, H, W, 3]`` C-contiguous, ``frames[k]`` is frame
-    ``frame_indices[k]`` of the stream (PyAV ``to_ndarray(format="rgb24")``).
-    ``rotation``: the display-matrix rotation in degrees (counter-clockwise),
-    recorded but not applied, as the reference does not apply it.
+    ``frame_indices[k]`` of the stream (PyAV ``to_ndarray(format="rgb24")``), turned
+    upright by the container's display rotation when ``decode_video(apply_rotation=True)``
+    (the gateway's default, ``--video-apply-rotation``; docs/video.md "Rotation"), else as
+    stored, as the transformers pyav loader returns them.
+    ``rotation``: the display-matrix rotation in degrees (counter-clockwise) of the stream.
     """
 
     frames: npt.NDArray[np.uint8]

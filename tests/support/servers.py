@@ -14,7 +14,8 @@ import httpx
 import uvicorn
 
 from mmgate.api.app import build_state, create_app
-from mmgate.launch import free_port
+from mmgate.api.server import uvicorn_config
+from mmgate.launch import free_port, gateway_answers
 from mmgate.settings import Settings
 
 
@@ -68,17 +69,18 @@ def media_origin() -> Iterator[MediaOrigin]:
 
 @contextmanager
 def gateway_in_thread(settings: Settings) -> Iterator[str]:
-    """Run the real gateway app under uvicorn on loopback in a thread; yields its base URL."""
+    """Run the real gateway app on loopback in a thread, under the same uvicorn config as ``mmgate serve``
+    (:func:`mmgate.api.server.uvicorn_config`); yields its base URL."""
     port = free_port()
     app = create_app(build_state(settings))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
+    server = uvicorn.Server(uvicorn_config(app, settings, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
+            if gateway_answers(httpx.get(base + "/health", timeout=1)):  # 503 while no worker is healthy
                 break
         except httpx.HTTPError:
             time.sleep(0.05)

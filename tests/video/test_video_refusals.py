@@ -114,12 +114,6 @@ def test_more_clips_than_the_video_limit_is_400_before_any_fetch(gateway: str) -
         assert sum(origin.hits.values()) == 0
 
 
-def test_literal_video_pad_in_the_text_is_400_media_count_mismatch(gateway: str, clips: dict[str, Path]) -> None:
-    resp = post(gateway, [{"type": "video_url", "video_url": {"url": data_url(clips["f2_25fps"])}}],
-                text="and <|video_pad|> here")
-    assert_refused(resp, 400, "media_count_mismatch", param="messages")
-
-
 def test_clip_over_the_byte_cap_is_413_before_decoding(gateway: str, clips: dict[str, Path]) -> None:
     with media_origin() as origin:
         url = origin.add("/big.mp4", clips["f60_30fps"].read_bytes(), "video/mp4")
@@ -163,16 +157,25 @@ def test_a_request_that_fails_stops_its_video_decoding(clips: dict[str, Path], m
     from mmgate.media.video import decode_video
 
     clip = clips["f60_30fps"]
+    started = threading.Event()
     stopped = threading.Event()
     seen: list[bool] = []
     real = pipeline_module.decode_video
+    real_image = pipeline_module.decode_image
 
-    def watching(data: bytes, sample: object, allowance: object, timeout_s: float, stop: threading.Event) -> object:
+    def watching(data: bytes, sample: object, allowance: object, timeout_s: float, stop: threading.Event,
+                 **options: bool) -> object:
+        started.set()
         seen.append(stop.wait(timeout=20))  # the request's stop signal, set when the request ends
         stopped.set()
-        return real(data, sample, allowance, timeout_s, stop)  # type: ignore[arg-type]
+        return real(data, sample, allowance, timeout_s, stop, **options)  # type: ignore[arg-type]
+
+    def image_after_clip_started(*args: object, **kwargs: object) -> object:
+        started.wait(timeout=20)  # fail the image only once the clip is decoding (else nothing to stop)
+        return real_image(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(pipeline_module, "decode_video", watching)
+    monkeypatch.setattr(pipeline_module, "decode_image", image_after_clip_started)
     broken_image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgoAAAAN"}}
     with pytest.raises(GatewayError) as err:
         run_with(QWEN3, VideoSettings(), [video_part(clip), broken_image])

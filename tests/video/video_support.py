@@ -34,7 +34,7 @@ from mmgate.media.fetch import MediaFetcher
 from mmgate.models.bundle import load_bundle
 from mmgate.models.registry import load_family
 from mmgate.pipeline import ModelRuntime, Pipeline
-from mmgate.settings import ImageBackend, Settings
+from mmgate.settings import ImageBackend, Settings, VideoSettings
 from mmgate.types import PreparedRequest
 from tests.conftest import bundle_dir
 
@@ -163,7 +163,8 @@ def pipeline(model: str) -> Pipeline:
     tokenizer = load_tokenizer(bundle)
     family = load_family(bundle, tokenizer, ImageBackend.TORCHVISION)
     runtime = ModelRuntime(bundle=bundle, tokenizer=tokenizer, family=family, served_name=model)
-    settings = Settings(model=model)
+    # The parity tests compare with the reference's pyav loader, which keeps the stored orientation.
+    settings = Settings(model=model, video=VideoSettings(apply_rotation=False))
     return Pipeline(runtime, settings, MediaFetcher(settings.fetch), ThreadPoolExecutor(2))
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,9 +120,78 @@ def media() -> Iterator[Origin]:
         yield o
 
 
-def _settings(engine: Child, mode: MmProcessing) -> Settings:
-    return Settings(model=str(bundle_dir(MODEL)), served_model_name=MODEL, fetch=FETCH, mm_processing=mode,
+def _settings(engine: Child, mode: MmProcessing, model: str = MODEL, bundle: Path | None = None) -> Settings:
+    return Settings(model=str(bundle or bundle_dir(model)), served_model_name=model, fetch=FETCH, mm_processing=mode,
                     worker_urls=(f"grpc://127.0.0.1:{engine.port}",))
+
+
+@dataclass
+class Workers:
+    """One bundle's two worker-mode paths: an ``inprocess`` engine, and a ``redis`` engine with its sidecar.
+
+    Both engines record their model inputs; the sidecar shares the session's
+    ``redis-server`` under its own namespace.
+    """
+
+    model: str  # the served model name
+    bundle: Path
+    inprocess: Child
+    redis_engine: Child
+    sidecar: Proc
+    records: dict[str, Path]  # "inprocess" | "sidecar" -> the record folder of the engine on that path
+
+    def stop(self) -> None:
+        for child in (self.inprocess, self.redis_engine):
+            child.stop()
+        self.sidecar.stop()
+
+
+def start_workers(model: str, bundle: Path, namespace: str, redis_server: RedisServer, root: Path) -> Workers:
+    """Start both paths for ``bundle`` (in parallel) and wait for the sidecar's hello.
+
+    Raises:
+        RuntimeError / AssertionError: a process did not come up (its log in the message).
+    """
+    logs = root / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    records = {"inprocess": root / "rec-inprocess", "sidecar": root / "rec-redis"}
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    redis_flags = ["--mm-processor", "redis", "--mm-redis-url", redis_server.url, "--mm-sidecar-namespace", namespace,
+                   "--mm-sidecar-timeout-ms", str(SIDECAR_TIMEOUT_MS)]
+    sidecar = spawn(f"sidecar-{namespace}", sidecar_args(bundle, redis_server.url, "--namespace", namespace, *FLAGS),
+                    logs)
+    started: list[Child] = []
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(start_engine, str(bundle), ["--mm-processor", "inprocess", *FLAGS, "--record-dir",
+                                                               str(records["inprocess"])], logs, env),
+                       pool.submit(start_engine, str(bundle), [*redis_flags, *FLAGS, "--record-dir",
+                                                               str(records["sidecar"])], logs, env)]
+            errors = [f.exception() for f in futures]
+            started.extend(f.result() for f, e in zip(futures, errors) if e is None)
+        for error in errors:
+            if error is not None:
+                raise error
+        client = redis_server.client()
+        hello = f"smg:mm:v1:{namespace}:hello"
+        wait_for(lambda: client.exists(hello) == 1 or not sidecar.alive(), 120, "the sidecar's hello")
+        assert sidecar.alive(), sidecar.tail()
+    except BaseException:
+        for child in started:
+            child.stop()
+        sidecar.stop()
+        raise
+    return Workers(model, bundle, started[0], started[1], sidecar, records)
+
+
+@contextmanager
+def worker_gateways(workers: Workers) -> Iterator[dict[str, Gateway]]:
+    """Worker-mode gateways in front of each path; yields once the redis engine advertises its sidecar."""
+    with gateway(_settings(workers.inprocess, MmProcessing.WORKER, workers.model, workers.bundle)) as inprocess, \
+            gateway(_settings(workers.redis_engine, MmProcessing.WORKER, workers.model, workers.bundle)) as sidecar:
+        wait_for(lambda: sidecar.labels()[0].get("mm_processor") == "redis", 30, "mm_processor=redis")
+        wait_for(lambda: inprocess.labels()[0].get("mm_processor") == "inprocess", 30, "mm_processor=inprocess")
+        yield {"inprocess": inprocess, "sidecar": sidecar}
 
 
 @pytest.fixture(scope="session")

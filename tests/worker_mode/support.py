@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import shutil
 import signal
@@ -34,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from mmgate.api.app import GatewayState, build_state, create_app
-from mmgate.launch import free_port
+from mmgate.launch import free_port, gateway_answers
 from mmgate.settings import Settings
 
 MODEL = "Qwen/Qwen2-VL-2B-Instruct"
@@ -124,6 +125,33 @@ def origin() -> Iterator[Origin]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+# ---- bundles -----------------------------------------------------------------------------
+
+
+def copy_bundle(src: Path, dst: Path, **config: object) -> Path:
+    """A copy of bundle ``src`` at ``dst`` (never write into the shared models), with ``config.json`` keys replaced."""
+    shutil.copytree(src, dst)
+    if config:
+        path = dst / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}, indent=1))
+    return dst
+
+
+def drop_added_token(bundle: Path, token: str) -> None:
+    """Remove the added token ``token`` from a bundle's tokenizer files (``tokenizer.json`` ``added_tokens``,
+    ``tokenizer_config.json`` ``added_tokens_decoder`` and ``additional_special_tokens``)."""
+    path = bundle / "tokenizer.json"
+    data = json.loads(path.read_text())
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] != token]
+    path.write_text(json.dumps(data))
+    path = bundle / "tokenizer_config.json"
+    data = json.loads(path.read_text())
+    data["added_tokens_decoder"] = {k: v for k, v in data.get("added_tokens_decoder", {}).items()
+                                    if v["content"] != token}
+    data["additional_special_tokens"] = [t for t in data.get("additional_special_tokens", []) if t != token]
+    path.write_text(json.dumps(data))
 
 
 # ---- processes ---------------------------------------------------------------------------
@@ -330,7 +358,7 @@ def gateway(settings: Settings, health_interval_s: float = 0.2) -> Iterator[Gate
 
 def _answers(base: str) -> bool:
     try:
-        return httpx.get(base + "/health", timeout=1).status_code == 200
+        return gateway_answers(httpx.get(base + "/health", timeout=1))  # 503 while no worker is healthy
     except httpx.HTTPError:
         return False
 

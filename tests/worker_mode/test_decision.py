@@ -248,11 +248,17 @@ def test_a_scheme_the_worker_does_not_fetch_is_400(engines: dict[str, FakeEngine
         assert sent_refs(engines["http_only"]) == [1]
 
 
-def test_the_anchor_count_is_checked_before_forwarding(uniform: Gateway, engines: dict[str, FakeEngine]) -> None:
+def test_typed_anchor_text_is_forwarded_as_plain_text(uniform: Gateway, engines: dict[str, FakeEngine]) -> None:
+    # Prompt integrity (docs/media-intake.md): the typed <|image_pad|> is text; the worker gets one anchor.
     body = chat([image_part(data_url(image_bytes(40, 60, 1, "PNG"))), {"type": "text", "text": "<|image_pad|>"}])
     resp = uniform.post(body)
-    assert resp.status_code == 400 and resp.headers["X-SMG-Error-Code"] == "media_count_mismatch"
-    assert engines["capable"].requests == [] and engines["capable2"].requests == []
+    assert resp.status_code == 200, resp.text
+    (sent,) = engines["capable"].requests + engines["capable2"].requests
+    from transformers import AutoTokenizer
+
+    anchor = AutoTokenizer.from_pretrained(str(bundle_dir(MODEL))).convert_tokens_to_ids("<|image_pad|>")
+    assert list(sent.tokenized.input_ids).count(anchor) == 1
+    assert len(sent.media_refs.items) == 1
 
 
 @pytest.mark.parametrize("status,details,http,code", [

@@ -24,9 +24,11 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import ClientDisconnect
 
-from mmgate import metrics
-from mmgate.api.protocol import parse_chat_request
+from mmgate import memory, metrics
+from mmgate.api.disconnect import until_disconnect
+from mmgate.api.protocol import ChatCompletionRequest, parse_chat_request
 from mmgate.api.responses import respond
 from mmgate.api.worker_mode import forward_media_refs
 from mmgate.budget import InflightBudget
@@ -41,7 +43,7 @@ from mmgate.models.registry import load_family
 from mmgate.pipeline import ModelRuntime, Pipeline
 from mmgate.routing.mm_processing import Mode, decide_request
 from mmgate.routing.workers import Worker, WorkerRegistry
-from mmgate.settings import Settings
+from mmgate.settings import HttpSettings, Settings
 from mmgate.transport.policy import WirePlan, wire_plan
 from mmgate.transport.shm import ShmError, ShmLease, sweep_dead_segments
 from mmgate.types import Modality, PreparedRequest
@@ -85,8 +87,10 @@ def build_state(settings: Settings) -> GatewayState:
     log.info("serving %s (model_type %s, image backend %s)", runtime.served_name, bundle.model_type, backend.value)
     return GatewayState(settings=settings, runtime=runtime,
                         pipeline=Pipeline(runtime, settings, fetcher, executor, cache, parallelism=threads),
-                        workers=WorkerRegistry(settings.worker_urls), fetcher=fetcher, executor=executor,
-                        budget=InflightBudget(settings.transport.max_inflight_bytes, settings.transport.budget_wait_s),
+                        workers=WorkerRegistry.from_settings(settings), fetcher=fetcher, executor=executor,
+                        budget=InflightBudget(settings.transport.max_inflight_bytes, settings.transport.budget_wait_s,
+                                              memory.configure(settings.malloc_mmap_threshold,
+                                                               settings.memory_trim_min_bytes)),
                         started=time.time())
 
 
@@ -99,16 +103,60 @@ def error_response(exc: GatewayError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 ``request_too_large`` past ``limit`` bytes (declared or streamed)."""
+def require_json(request: Request) -> None:
+    """Refuse a body that is not ``Content-Type: application/json`` (parameters such as ``charset`` allowed).
+
+    A missing, ``text/plain`` or form-encoded type is what a browser may post cross-site without a CORS
+    preflight, so it is refused before any byte of the body is read.
+
+    Raises:
+        GatewayError(UNSUPPORTED_MEDIA_TYPE): 415.
+    """
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise GatewayError(ErrorCode.UNSUPPORTED_MEDIA_TYPE, "the request body must be Content-Type: application/json")
+
+
+async def read_body(request: Request, limit: int, http: HttpSettings = HttpSettings()) -> bytes:
+    """The JSON request body (:func:`require_json` first), read within ``http``'s deadlines.
+
+    Each wait for the next chunk is bounded by ``http.body_idle_timeout_s`` and the whole body by
+    ``http.body_timeout_s`` (from the first read); the response to a refusal here closes the
+    connection (``mmgate.api.server.CloseUnreadBody``).
+
+    Raises:
+        GatewayError(UNSUPPORTED_MEDIA_TYPE): 415, not JSON.
+        GatewayError(REQUEST_TOO_LARGE): 413, past ``limit`` bytes (declared or streamed).
+        GatewayError(REQUEST_TIMEOUT): 408, the body stalled or took too long.
+        GatewayError(CLIENT_DISCONNECTED): the client left mid-upload (logged at INFO; no answer reaches it).
+    """
+    require_json(request)
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise GatewayError(ErrorCode.REQUEST_TOO_LARGE, f"request body exceeds {limit} bytes")
     chunks = bytearray()
-    async for chunk in request.stream():
-        chunks += chunk
-        if len(chunks) > limit:
-            raise GatewayError(ErrorCode.REQUEST_TOO_LARGE, f"request body exceeds {limit} bytes")
+    stream = request.stream()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + http.body_timeout_s
+    try:
+        while True:
+            left = deadline - loop.time()
+            try:
+                async with asyncio.timeout(max(0.0, min(http.body_idle_timeout_s, left))):
+                    chunk = await anext(stream)
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                limit_s = http.body_timeout_s if left <= http.body_idle_timeout_s else http.body_idle_timeout_s
+                raise GatewayError(ErrorCode.REQUEST_TIMEOUT,
+                                   f"request body not received within {limit_s:g} s") from None
+            chunks += chunk
+            if len(chunks) > limit:
+                raise GatewayError(ErrorCode.REQUEST_TOO_LARGE, f"request body exceeds {limit} bytes")
+    except ClientDisconnect:
+        metrics.CLIENT_DISCONNECTS.inc()
+        log.info("client disconnected while sending its request body")
+        raise GatewayError(ErrorCode.CLIENT_DISCONNECTED, "client disconnected") from None
     return bytes(chunks)
 
 
@@ -166,8 +214,11 @@ def create_app(state: GatewayState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = parse_chat_request(await read_body(request, body_limit))
+        req = parse_chat_request(await read_body(request, body_limit, state.settings.http))
         metrics.REQUESTS.labels(state.runtime.served_name, str(req.stream).lower()).inc()
+        return await until_disconnect(request, answer_chat(req))
+
+    async def answer_chat(req: ChatCompletionRequest) -> Response:
         decision = decide_request(req, state.settings, state.runtime, state.workers.workers)
         if decision is not None and decision.mode is Mode.WORKER:
             return await forward_media_refs(state, req)
@@ -233,13 +284,22 @@ def create_app(state: GatewayState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        """200 while some worker is healthy; else 503 with the error body of ``no_healthy_worker`` too
+        (not counted in the error metrics: a health poll is not a failed request)."""
         healthy = sum(1 for w in state.workers.workers if w.healthy)
-        return JSONResponse({"status": "ok", "healthy_workers": healthy, "workers": len(state.workers.workers)})
+        body: dict[str, object] = {"status": "ok" if healthy else "unavailable", "healthy_workers": healthy,
+                                   "workers": len(state.workers.workers)}
+        if healthy:
+            return JSONResponse(body)
+        exc = GatewayError(ErrorCode.NO_HEALTHY_WORKER, "no healthy worker")
+        return JSONResponse({**body, **exc.body()}, status_code=exc.status,
+                            headers={"X-SMG-Error-Code": exc.code.value, "Retry-After": "1"})
 
     @app.get("/workers")
     async def workers() -> JSONResponse:
         return JSONResponse({"workers": [
-            {"url": w.url, "healthy": w.healthy, "in_flight": w.in_flight, "labels": w.labels}
+            {"url": w.url, "healthy": w.healthy, "in_flight": w.in_flight, "labels": w.labels,
+             "consecutive_failures": w.failures, "busy_probes": w.busy_probes, "last_probe": w.last_probe}
             for w in state.workers.workers]})
 
     @app.get("/metrics")

@@ -51,7 +51,8 @@ async def forward_media_refs(state: GatewayState, req: ChatCompletionRequest) ->
     """Send ``req`` to a worker that processes its media itself (see the module docstring)."""
     timings: dict[str, float] = {}
     pipeline = state.pipeline
-    plan, prompt, ids = pipeline.render_prompt(req, timings)
+    plan, prompt, ids = await pipeline.render_prompt_async(req, timings)
+    sampling = pipeline._sampling(req, len(ids))  # the unexpanded length: a lower bound
     refs = plan.media
     with metrics.stage("forward_checks", timings):
         check_anchor_counts(ids, refs, state.runtime.family)
@@ -59,7 +60,7 @@ async def forward_media_refs(state: GatewayState, req: ChatCompletionRequest) ->
         worker = select_processing_worker(state.workers, refs)
     prepared = PreparedRequest(
         request_id=f"chatcmpl-{uuid.uuid4().hex}", model=state.runtime.served_name, prompt_text=prompt,
-        input_ids=tuple(ids), batches=(), sampling=pipeline._sampling(req), stream=req.stream, timings_ms=timings)
+        input_ids=tuple(ids), batches=(), sampling=sampling, stream=req.stream, timings_ms=timings)
     with metrics.stage("assemble", timings):
         msg = build_media_ref_request(prepared, refs)
     release = worker.hold()

@@ -16,8 +16,9 @@ with ``bos_token``.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
@@ -97,6 +98,13 @@ class BundleTokenizer:
 
     tokenizer: Tokenizer
     special_tokens: dict[str, str]  # bos_token, eos_token, ... (transformers ``special_tokens_map``)
+    #: the most input characters one token can cover (longest vocabulary entry, byte-level entries
+    #: counted in bytes): ``len(text) / max_token_chars`` is a lower bound on the tokens of ``text``
+    #: before normalization
+    max_token_chars: int = 1
+    #: a copy of ``tokenizer`` with special-token matching off, made on first use (typed reserved strings)
+    _plain: list[Tokenizer] = field(default_factory=list)
+    _plain_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def bos_token(self) -> str | None:
@@ -106,13 +114,65 @@ class BundleTokenizer:
         """Id of a (usually added) token string, or None."""
         return self.tokenizer.token_to_id(token)
 
+    def special_added_tokens(self) -> list[str]:
+        """The contents of every added token marked ``special`` (control, media and other reserved tokens)."""
+        return [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special]
+
     def encode_prompt(self, prompt: str) -> list[int]:
         """Token ids of a rendered chat prompt, as the processor computes them."""
         add_special = not (self.bos_token is not None and prompt.startswith(self.bos_token))
-        return list(self.tokenizer.encode(prompt, add_special_tokens=add_special).ids)
+        return _encode(self.tokenizer, prompt, add_special)
+
+    def encode_segments(self, segments: Sequence[tuple[str, bool]], reserved_ids: frozenset[int]) -> list[int]:
+        """Token ids of a prompt given as ``(text, typed)`` pieces (:meth:`Sanitized.segments
+        <mmgate.chat.integrity.Sanitized.segments>`): template pieces as :meth:`encode_prompt`
+        (special tokens added only before the first), typed pieces with special-token matching off.
+        One template piece is exactly :meth:`encode_prompt`.
+
+        Raises:
+            GatewayError(RESERVED_TOKEN_IN_TEXT): a typed piece still tokenizes to an id in
+                ``reserved_ids`` (a reserved token that is not a special added token).
+        """
+        if len(segments) == 1 and not segments[0][1]:
+            return self.encode_prompt(segments[0][0])
+        plain = self._plain_tokenizer()
+        ids: list[int] = []
+        for i, (text, typed) in enumerate(segments):
+            if typed:
+                piece = _encode(plain, text, False)
+                if reserved_ids.intersection(piece):
+                    raise GatewayError(ErrorCode.RESERVED_TOKEN_IN_TEXT,
+                                       f"text contains the model's reserved token {text!r} in a form that cannot be "
+                                       "sent as plain text", "messages")
+                ids.extend(piece)
+            elif i == 0:
+                ids.extend(self.encode_prompt(text))
+            else:
+                ids.extend(_encode(self.tokenizer, text, False))
+        return ids
+
+    def _plain_tokenizer(self) -> Tokenizer:
+        with self._plain_lock:
+            if not self._plain:
+                plain = Tokenizer.from_str(self.tokenizer.to_str())
+                plain.encode_special_tokens = True
+                self._plain.append(plain)
+            return self._plain[0]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+
+#: texts longer than this are encoded with the GIL released (``encode_batch``): a long prompt tokenized
+#: in the pool must not stall the event loop (``encode`` holds the GIL: 5 s for a 4 MB prompt)
+_GIL_FREE_CHARS = 16 * 1024
+
+
+def _encode(tok: Tokenizer, text: str, add_special: bool) -> list[int]:
+    """``tok.encode(text).ids``; long texts through ``encode_batch``, which releases the GIL (same ids)."""
+    if len(text) <= _GIL_FREE_CHARS:
+        return list(tok.encode(text, add_special_tokens=add_special).ids)
+    return list(tok.encode_batch([text], add_special_tokens=add_special)[0].ids)
 
 
 def load_tokenizer(bundle: ModelBundle) -> BundleTokenizer:
@@ -137,4 +197,5 @@ def load_tokenizer(bundle: ModelBundle) -> BundleTokenizer:
         text = _token_text(bundle.tokenizer_config.get(key))
         if text is not None:
             special[key] = text
-    return BundleTokenizer(tokenizer=tok, special_tokens=special)
+    longest = max((len(t) for t in tok.get_vocab(with_added_tokens=True)), default=1)
+    return BundleTokenizer(tokenizer=tok, special_tokens=special, max_token_chars=max(1, longest))

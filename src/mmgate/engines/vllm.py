@@ -13,10 +13,13 @@ modalities in ``extra_mm_inputs``; the primary encoder tensor in
 ``pixel_values``, the others in ``model_specific_tensors``; field layouts in
 ``batched_keys`` / ``flat_keys`` / ``keep_on_cpu_keys``.
 
-gRPC status -> error code: UNAVAILABLE / DEADLINE_EXCEEDED / RESOURCE_EXHAUSTED
+gRPC status -> error code: RESOURCE_EXHAUSTED for a message over the channel's
+size limit (the caller's payload) -> ``multimodal_payload_too_large`` (413, not
+retryable); UNAVAILABLE / DEADLINE_EXCEEDED / other RESOURCE_EXHAUSTED
 -> ``engine_unavailable`` (503, retryable); INVALID_ARGUMENT /
 FAILED_PRECONDITION / OUT_OF_RANGE -> ``engine_rejected`` (400, with the
-engine's message, e.g. the model's placeholder/feature mismatch); anything
+engine's message, e.g. the model's placeholder/feature mismatch), or
+``context_length_exceeded`` (400) when the message is vLLM's over-long prompt refusal; anything
 else -> ``engine_error`` (502).  An mmgate code the engine carries in the
 details (``[code=media_fetch_timeout item=0] ...``, worker-side media
 processing) wins when it agrees with the status (:func:`parse_carried_error`).
@@ -41,7 +44,7 @@ from mmgate.transport.inline import to_tensor_data, wire_dtype_name
 from mmgate.transport.placement import BufferTarget, Convert, ShmTarget, identity, new_bytes
 from mmgate.transport.policy import INLINE_FLOAT32, WirePlan
 from mmgate.transport.shm import ShmLease
-from mmgate.types import EncoderBatch, MediaRef, Modality, PendingTensor, PreparedRequest, RowTarget
+from mmgate.types import EncoderBatch, MediaRef, Modality, PendingTensor, PreparedRequest, RowTarget, SamplingParams
 
 ENGINE = "vllm"
 PRIMARY_KEY = "pixel_values"
@@ -50,8 +53,14 @@ _UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, 
                 grpc.StatusCode.CANCELLED}
 _REJECTED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE}
 _ERROR_CODES = frozenset(c.value for c in ErrorCode)
+#: gRPC core's RESOURCE_EXHAUSTED details for a message over max_send/max_receive_message_length
+#: ("Sent message larger than max (N vs. M)", "Received message larger than max (N vs. M)")
+_MESSAGE_TOO_LARGE = re.compile(r"message larger than max", re.I)
 
 
+#: vLLM's refusals of an over-long prompt (``entrypoints/openai/serving_engine.py`` "This model's maximum
+#: context length is ..."; ``v1/engine/processor.py`` "... is longer than the maximum model length of ...")
+_CONTEXT_TOO_LONG = re.compile(r"maximum context length|longer than the maximum model length|max_model_len", re.I)
 _CARRIED = re.compile(r"\A\[code=([a-z0-9_]+)(?: item=(\d+))?\] ?(.*)\Z", re.S)
 
 
@@ -98,9 +107,15 @@ def map_rpc_error(exc: grpc.aio.AioRpcError | grpc.RpcError) -> GatewayError:
     carried = parse_carried_error(code, details)
     if carried is not None:
         return carried
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED and _MESSAGE_TOO_LARGE.search(details):
+        return GatewayError(ErrorCode.MULTIMODAL_PAYLOAD_TOO_LARGE,
+                            "the request's encoder input exceeds the gRPC message limit of the engine channel")
     if code in _UNAVAILABLE:
         return GatewayError(ErrorCode.ENGINE_UNAVAILABLE, f"engine unavailable ({code.name})")
     if code in _REJECTED:
+        if _CONTEXT_TOO_LONG.search(details):
+            return GatewayError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                                "the prompt and max_tokens do not fit the engine's context length", "messages")
         return GatewayError(ErrorCode.ENGINE_REJECTED, f"engine rejected the request: {details[:500]}")
     return GatewayError(ErrorCode.ENGINE_ERROR, f"engine error ({code.name}): {details[:300]}")
 
@@ -203,12 +218,31 @@ def _place_pending(pending: PendingTensor, wire: WirePlan, lease: ShmLease | Non
             _InlineTail(nbytes=nbytes, pending=pending, width=width, itemsize=itemsize, convert=convert))
 
 
-def _build(req: PreparedRequest, wire: WirePlan, lease: ShmLease | None, defer_primary: bool,
-           targets: list[tuple[PendingTensor, RowTarget]] | None = None,
-           ) -> tuple[vllm_engine_pb2.GenerateRequest, _InlineTail | None]:
-    s = req.sampling
+#: integer fields of ``vllm_engine.proto`` ``SamplingParams`` and the range their wire type carries
+_UINT32, _INT32 = (0, 2**32 - 1), (-(2**31), 2**31 - 1)
+_WIRE_INT_RANGES = {"max_tokens": _UINT32, "top_k": _UINT32, "seed": _INT32}
+
+
+def sampling_message(s: SamplingParams) -> vllm_engine_pb2.SamplingParams:
+    """The wire ``SamplingParams`` of a request's sampling fields.
+
+    Field types from ``smg_grpc_proto`` ``vllm_engine.proto`` ``SamplingParams``:
+    ``optional uint32 max_tokens``, ``uint32 top_k`` (0 = disabled; vLLM's -1
+    is sent as 0), ``optional int32 seed``, ``float`` for the rest.  The API
+    layer (``parse_chat_request``) already refuses values outside these
+    ranges; a value that still does not fit is refused here with 400
+    ``invalid_request`` naming the field, never a ``ValueError`` (500) from protobuf.
+
+    Raises:
+        GatewayError(INVALID_REQUEST): an integer field outside its wire range.
+    """
+    top_k = 0 if s.top_k < 0 else s.top_k
+    for name, value in (("max_tokens", s.max_tokens), ("top_k", top_k), ("seed", s.seed)):
+        low, high = _WIRE_INT_RANGES[name]
+        if value is not None and not low <= value <= high:
+            raise GatewayError(ErrorCode.INVALID_REQUEST, f"{name} must be within [{low}, {high}]", name)
     sampling = vllm_engine_pb2.SamplingParams(
-        top_p=s.top_p, top_k=s.top_k, frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
+        top_p=s.top_p, top_k=top_k, frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
         repetition_penalty=1.0, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), skip_special_tokens=True,
         spaces_between_special_tokens=True, ignore_eos=s.ignore_eos, n=1,
     )
@@ -218,10 +252,16 @@ def _build(req: PreparedRequest, wire: WirePlan, lease: ShmLease | None, defer_p
         sampling.max_tokens = s.max_tokens
     if s.seed is not None:
         sampling.seed = s.seed
+    return sampling
+
+
+def _build(req: PreparedRequest, wire: WirePlan, lease: ShmLease | None, defer_primary: bool,
+           targets: list[tuple[PendingTensor, RowTarget]] | None = None,
+           ) -> tuple[vllm_engine_pb2.GenerateRequest, _InlineTail | None]:
     msg = vllm_engine_pb2.GenerateRequest(
         request_id=req.request_id,
         tokenized=vllm_engine_pb2.TokenizedInput(original_text=req.prompt_text, input_ids=list(req.input_ids)),
-        sampling_params=sampling,
+        sampling_params=sampling_message(req.sampling),
         stream=req.stream,
     )
     tail: _InlineTail | None = None

@@ -73,7 +73,7 @@ def check_scheme(url: str, param: str | None = None) -> str:
         raise GatewayError(ErrorCode.INVALID_MEDIA_URL, "media URL has no scheme", param)
     if scheme not in ALLOWED_SCHEMES:
         raise GatewayError(ErrorCode.UNSUPPORTED_MEDIA_URL_SCHEME,
-                           f"media URL scheme {scheme!r} is not supported (use http, https or data)", param)
+                           "media URL scheme is not supported (use http, https or data)", param)
     return scheme
 
 

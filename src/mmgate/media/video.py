@@ -10,8 +10,16 @@ frame count (``stream.frames``) and ``float(average_rate)``, ``seek(0)``, frames
 decoded in order and converted with ``VideoFrame.to_ndarray(format="rgb24")``.
 So the frames equal the reference's bit for bit (same FFmpeg, same swscale
 call); only the sampled frames are converted and kept, the others are decoded
-and dropped.  Rotation metadata (the display matrix) is *not* applied, as the
-reference does not apply it; the angle is recorded on the result.
+and dropped.  The angle of the display matrix is recorded on the result.
+
+Beyond the reference, by default: a clip whose display matrix rotates it by 90,
+180 or 270 degrees comes out upright, as FFmpeg's ``autorotate`` (the ``ffmpeg``
+CLI, fftools 5.1 ``ffmpeg_filter.c`` ``configure_input_video_filter``) and
+OpenCV (``CAP_PROP_ORIENTATION_AUTO``, vLLM's default video loader) give it:
+each kept frame is ``np.rot90(frame, k)`` with ``k = angle / 90`` (the angle
+counter-clockwise, ``av_display_rotation_get``; exact, no resampling).  With
+``apply_rotation=False`` (``--no-video-apply-rotation``) frames keep the stored
+orientation of the reference's loader (docs/video.md, "Rotation").
 
 Beyond the reference (docs/video.md, "Decoding"):
 * demuxers are limited to ``ALLOWED_DEMUXERS`` and nested protocol opens are
@@ -141,9 +149,17 @@ def _count_frames(data: bytes, deadline: _Deadline) -> int:
     return count
 
 
+def upright_turns(rotation: int) -> int:
+    """Quarter turns counter-clockwise (``np.rot90``'s ``k``) that make a frame with display-matrix angle
+    ``rotation`` (degrees, counter-clockwise, ``VideoFrame.rotation``) upright; 0 for an angle that is not
+    within 1 degree of a multiple of 90 (left in the stored orientation)."""
+    turns = round(rotation / 90)
+    return turns % 4 if abs(rotation - 90 * turns) <= 1 else 0
+
+
 def _decode_indices(data: bytes, indices: Sequence[int], allowance: PixelAllowance | None, meta: VideoMeta,
-                    deadline: _Deadline) -> tuple[np.ndarray | None, int, int, int]:
-    """Decode frames ``indices`` (ascending, repeats allowed).
+                    deadline: _Deadline, apply_rotation: bool) -> tuple[np.ndarray | None, int, int, int]:
+    """Decode frames ``indices`` (ascending, repeats allowed), turned upright when ``apply_rotation``.
 
     Returns ``(frames, rotation, frames decoded, pixels taken from the allowance)``;
     ``frames`` is None when the stream ended before the last wanted index.
@@ -158,7 +174,7 @@ def _decode_indices(data: bytes, indices: Sequence[int], allowance: PixelAllowan
     if allowance is not None:
         allowance.take(taken)
     out: np.ndarray | None = None
-    rotation, seen = 0, 0
+    rotation, turns, seen = 0, 0, 0
     container, stream = _open(data)
     try:
         container.seek(0)
@@ -169,6 +185,10 @@ def _decode_indices(data: bytes, indices: Sequence[int], allowance: PixelAllowan
                 rgb = frame.to_ndarray(format="rgb24")
                 if out is None:
                     rotation = int(getattr(frame, "rotation", 0) or 0)  # VideoFrame.rotation: PyAV >= 14
+                    turns = upright_turns(rotation) if apply_rotation else 0
+                if turns:
+                    rgb = np.rot90(rgb, turns)  # a view; copied once below
+                if out is None:
                     extra = len(indices) * rgb.shape[0] * rgb.shape[1] - taken
                     if allowance is not None and extra > 0:
                         allowance.take(extra)
@@ -195,8 +215,17 @@ def _header(data: bytes, total: int | None) -> VideoMeta:
         container.close()
 
 
+def planned_clip(meta: VideoMeta, indices: Sequence[int]) -> DecodedVideo:
+    """A stand-in for the clip ``meta`` describes, for planning before decoding: ``frames`` is a
+    zero-byte read-only view of shape ``[len(indices), H, W, 3]`` (the header's stored size; a
+    display rotation swaps H and W, which changes no tensor size)."""
+    frames = np.broadcast_to(np.zeros((), dtype=np.uint8), (len(indices), meta.height, meta.width, 3))
+    return DecodedVideo(frames=frames, meta=meta, frame_indices=tuple(indices), rotation=0, content_hash="",
+                        num_bytes=0)
+
+
 def decode_video(data: bytes, sample: Callable[[VideoMeta], Sequence[int]], allowance: PixelAllowance | None,
-                 timeout_s: float, stop: threading.Event | None = None) -> DecodedVideo:
+                 timeout_s: float, stop: threading.Event | None = None, apply_rotation: bool = False) -> DecodedVideo:
     """Decode the frames ``sample(meta)`` picks.
 
     Args:
@@ -206,6 +235,12 @@ def decode_video(data: bytes, sample: Callable[[VideoMeta], Sequence[int]], allo
         timeout_s: wall-clock limit of decoding this clip.
         stop: set when the request has ended (failed, cancelled, client gone): decoding
             stops at the next frame instead of running on to the deadline.
+        apply_rotation: turn frames upright by the display matrix (module docstring); the
+            pipeline passes ``VideoSettings.apply_rotation`` (on by default).  False: the stored
+            orientation, as the reference's pyav loader.
+
+    Returns:
+        The clip; ``frames`` uint8 ``[N, H, W, 3]``, H and W upright when rotated.
 
     Raises:
         GatewayError(MEDIA_DECODE_FAILED): not a supported container, no video stream,
@@ -224,7 +259,8 @@ def decode_video(data: bytes, sample: Callable[[VideoMeta], Sequence[int]], allo
         indices = list(sample(meta))
         if not indices:
             raise _failed("no frames sampled")
-        frames, rotation, seen, taken = _decode_indices(data, indices, allowance, meta, deadline)
+        frames, rotation, seen, taken = _decode_indices(data, indices, allowance, meta, deadline,
+                                                             apply_rotation)
         if frames is not None:
             return DecodedVideo(frames=frames, meta=meta, frame_indices=tuple(indices), rotation=rotation,
                                 content_hash=content_hash(data), num_bytes=len(data))

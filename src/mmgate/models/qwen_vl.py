@@ -172,6 +172,13 @@ class QwenVLFamily:
         """Identifies the model and every preprocessing setting (cache and hash key)."""
         return f"qwen_vl:{self.model_type}:{self.backend.value}:{self.image!r}"
 
+    @property
+    def reserved_tokens(self) -> tuple[str, ...]:
+        """Token strings this family uses as anchors, placeholders or media-structure markers
+        (``<|image_pad|>``, ``<|video_pad|>``, ``<|vision_start|>``, ``<|vision_end|>``): caller text
+        may never contain them (:mod:`mmgate.chat.integrity`), with or without video support."""
+        return (self.image_token, *self.video_tokens)
+
     def anchor_token_id(self, modality: Modality) -> int:
         if modality is Modality.IMAGE:
             return self.image_token_id

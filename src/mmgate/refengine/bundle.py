@@ -165,6 +165,29 @@ def read_facts(path: Path, config: PretrainedConfig, served_model_name: str, ran
     )
 
 
+def check_engine_bundle(path: Path) -> None:
+    """Refuse at start-up a bundle whose media mmgate cannot serve (before any model is built).
+
+    A media model of an unregistered ``model_type`` (Qwen2.5-Omni's ``thinker_config``
+    towers, LLaVA, Gemma 3, ...) would load here and then take no request the gateway can
+    prepare; a text-only bundle passes.
+
+    Raises:
+        OSError: no ``config.json`` in ``path``.
+        ValueError: see :func:`mmgate.models.registry.check_servable`.
+    """
+    from mmgate.errors import GatewayError
+    from mmgate.models.bundle import load_bundle
+    from mmgate.models.registry import check_servable
+
+    try:
+        check_servable(load_bundle(path))
+    except GatewayError as exc:
+        if not (Path(path) / "config.json").is_file():
+            raise OSError(exc.message) from None
+        raise ValueError(exc.message) from None
+
+
 def load_model(config: EngineConfig) -> LoadedModel:
     """Build the model for ``config.model``.
 
@@ -173,9 +196,12 @@ def load_model(config: EngineConfig) -> LoadedModel:
 
     Raises:
         OSError: the folder has no readable ``config.json``.
-        ValueError: no transformers class serves the config's architecture.
+        ValueError: no transformers class serves the config's architecture; or the bundle takes
+            media that no mmgate family serves (:func:`mmgate.models.registry.check_servable`,
+            checked first: the message names the ``model_type`` and the registered families).
     """
     path = config.model
+    check_engine_bundle(path)
     hf_config = AutoConfig.from_pretrained(path)
     cls = model_class(hf_config)
     random_weights = not has_weights(path)

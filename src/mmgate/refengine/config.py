@@ -29,7 +29,7 @@ class EngineConfig:
     max_tokens_default: int = 16  # completion budget when a request leaves max_tokens unset
     num_threads: int = 2  # torch.set_num_threads
     model_workers: int = 1  # threads running model code (one request at a time per thread)
-    rpc_workers: int = 8  # gRPC handler threads (HealthCheck stays answerable while generating)
+    rpc_workers: int = 64  # Generate streams at once (each holds a gRPC thread; the pool has a few more for health)
     device_normalize: bool = False  # take raw uint8 pixels and rescale+normalize here (mm_device_do_normalize)
     encoder_dtype: str = "float32"  # advertised multimodal_encoder_dtype label
     mm: MmProcessorConfig = field(default_factory=MmProcessorConfig)  # worker-side media processing

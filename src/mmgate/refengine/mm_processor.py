@@ -100,7 +100,12 @@ class _LoopThread:
 
 
 class WorkerMedia:
-    """The engine's media-reference stage (see the module docstring)."""
+    """The engine's media-reference stage (see the module docstring).
+
+    Raises (construction):
+        ValueError: the bundle, its tokenizer or its family cannot be loaded for processing
+            (e.g. a media model no family serves); the engine refuses to start.
+    """
 
     def __init__(self, config: MmProcessorConfig, model: Path) -> None:
         self.config = config
@@ -110,7 +115,10 @@ class WorkerMedia:
         self._client: SidecarClient | None = None
         if self.mode is MmProcessorMode.OFF:
             return
-        runtime = load_runtime(model, (), config.processing)
+        try:
+            runtime = load_runtime(model, (), config.processing)
+        except GatewayError as exc:  # a start-up failure: the engine's main reports ValueError and exits
+            raise ValueError(f"--mm-processor {self.mode.value}: {exc.message}") from None
         if runtime.family is None:
             logger.warning("--mm-processor %s ignored: %s takes no media", self.mode.value, runtime.bundle.name)
             self.mode = MmProcessorMode.OFF

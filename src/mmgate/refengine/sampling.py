@@ -119,19 +119,19 @@ def plan_generation(
         )
     requested = params.max_tokens if params.HasField("max_tokens") else max_tokens_default
     if requested < 1:
-        raise GatewayError(ErrorCode.INVALID_REQUEST, f"max_tokens must be at least 1, got {requested}")
+        raise GatewayError(ErrorCode.INVALID_REQUEST, "max_tokens must be at least 1")
     max_new = min(requested, room) if room is not None else requested
     temperature = params.temperature if params.HasField("temperature") else 0.0
     if temperature < 0:
-        raise GatewayError(ErrorCode.INVALID_REQUEST, f"temperature must be >= 0, got {temperature}")
+        raise GatewayError(ErrorCode.INVALID_REQUEST, "temperature must be >= 0")
     top_p = params.top_p if params.top_p != 0.0 else 1.0
     if not 0.0 < top_p <= 1.0:
-        raise GatewayError(ErrorCode.INVALID_REQUEST, f"top_p must be in (0, 1], got {top_p}")
+        raise GatewayError(ErrorCode.INVALID_REQUEST, "top_p must be in (0, 1]")
     if not 0.0 <= params.min_p <= 1.0:
-        raise GatewayError(ErrorCode.INVALID_REQUEST, f"min_p must be in [0, 1], got {params.min_p}")
+        raise GatewayError(ErrorCode.INVALID_REQUEST, "min_p must be in [0, 1]")
     repetition_penalty = params.repetition_penalty if params.repetition_penalty != 0.0 else 1.0
     if repetition_penalty < 0:
-        raise GatewayError(ErrorCode.INVALID_REQUEST, f"repetition_penalty must be > 0, got {repetition_penalty}")
+        raise GatewayError(ErrorCode.INVALID_REQUEST, "repetition_penalty must be > 0")
     stop_ids = [] if params.ignore_eos else list(facts.stop_token_ids)
     stop_ids += [t for t in params.stop_token_ids if t not in stop_ids]
     return GenerationPlan(

@@ -22,7 +22,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from mmgate.refengine.bundle import load_model
 from mmgate.refengine.config import EngineConfig, parse_args
-from mmgate.refengine.servicer import RefEngineServicer
+from mmgate.refengine.servicer import MANAGEMENT_THREADS, RefEngineServicer
 
 logger = logging.getLogger("mmgate.refengine")
 
@@ -58,8 +58,10 @@ def start_engine(config: EngineConfig) -> RunningEngine:
     torch.set_num_threads(config.num_threads)
     loaded = load_model(config)
     servicer = RefEngineServicer(config, loaded)
+    # Generate streams take at most config.rpc_workers threads (the servicer refuses more), so
+    # MANAGEMENT_THREADS stay free for HealthCheck and the info RPCs while the engine is busy.
     server = grpc.server(
-        ThreadPoolExecutor(max_workers=config.rpc_workers, thread_name_prefix="refengine-rpc"),
+        ThreadPoolExecutor(max_workers=config.rpc_workers + MANAGEMENT_THREADS, thread_name_prefix="refengine-rpc"),
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -6,7 +6,11 @@ Stage: engine.  In: gRPC requests from a gateway; out: streamed
 Threads: gRPC handlers run on the server's pool; model work runs on a
 separate single-thread executor, so HealthCheck, GetServerInfo and Abort are
 answered while a generation runs.  A handler waits on a queue that the model
-thread fills with tokens.
+thread fills with tokens.  A Generate stream holds its pool thread for its whole
+life, so at most ``config.rpc_workers`` streams run at once (more:
+``RESOURCE_EXHAUSTED`` at once) and the server's pool has
+:data:`MANAGEMENT_THREADS` more threads than that: a health probe never queues
+behind generations (issue 15: a busy engine was marked unhealthy).
 
 Generate streaming (``stream=true``): one ``GenerateStreamChunk`` per token
 (``token_ids`` = the new token, ``completion_tokens`` = 1, a delta, as the
@@ -38,7 +42,8 @@ from datetime import UTC, datetime
 import grpc
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from mmgate.errors import ERROR_TABLE, GatewayError
+from mmgate.engines.vllm import carried_error_details
+from mmgate.errors import ERROR_TABLE, ErrorCode, GatewayError
 from mmgate.refengine.bundle import LazyTokenizer, LoadedModel
 from mmgate.refengine.config import EngineConfig
 from mmgate.refengine.generation import GenerationResult, run_generation
@@ -52,6 +57,8 @@ from mmgate.refengine.sampling import GenerationPlan, plan_generation
 logger = logging.getLogger(__name__)
 
 SERVER_TYPE = "vllm-grpc"
+#: pool threads that Generate streams can never take (HealthCheck, info, Abort); see :mod:`.server`
+MANAGEMENT_THREADS = 4
 #: exceptions the model code raises for inputs it refuses (the request's fault)
 MODEL_INPUT_ERRORS = (ValueError, TypeError, IndexError, RuntimeError)
 _DONE = object()
@@ -63,7 +70,12 @@ def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if media is not None:
         return media
     if isinstance(exc, GatewayError):
+        # The code rides along (``[code=context_length_exceeded] ...``) so the gateway reports the same one.
+        # ``invalid_request`` is not carried: the gateway accepted the request, so the engine's refusal
+        # stays ``engine_rejected``.
         caller_fault = ERROR_TABLE[exc.code].status < 500
+        if caller_fault and exc.code is not ErrorCode.INVALID_REQUEST:
+            return grpc.StatusCode.INVALID_ARGUMENT, carried_error_details(exc.code, exc.message)
         return (grpc.StatusCode.INVALID_ARGUMENT if caller_fault else grpc.StatusCode.INTERNAL), exc.message
     if isinstance(exc, MODEL_INPUT_ERRORS):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
@@ -84,6 +96,7 @@ class RefEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._lock = threading.Lock()
         self._active: dict[str, threading.Event] = {}  # request id -> cancel flag
         self._running = 0
+        self._streams = threading.BoundedSemaphore(config.rpc_workers)  # Generate streams running
         self._started = time.monotonic()
         self._last_receive = 0.0
 
@@ -98,6 +111,16 @@ class RefEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     # ---- Generate ---------------------------------------------------------------
 
     def Generate(
+        self, request: vllm_engine_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[vllm_engine_pb2.GenerateResponse]:
+        if not self._streams.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "engine busy: every Generate stream slot is taken")
+        try:
+            yield from self._stream(request, context)
+        finally:
+            self._streams.release()
+
+    def _stream(
         self, request: vllm_engine_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[vllm_engine_pb2.GenerateResponse]:
         self._last_receive = time.time()

@@ -6,6 +6,17 @@ the worker that will run it.  Workers are registered from ``--worker-urls``
 start and health-checked periodically.  Selection takes the healthy worker
 with the fewest requests in flight (ties: registration order).
 
+Health tells busy from dead (:class:`HealthPolicy`, :meth:`Worker.record_probe`):
+* a probe that passes makes the worker healthy at once and clears its count;
+* nothing listening (``UNAVAILABLE``) or a worker that answers "not healthy"
+  makes it unhealthy at once: it said so, or it is gone;
+* a probe that times out while the worker has requests in flight is *busy*, not
+  a failure, as long as the worker gave any answer (a probe, a Generate stream
+  message) within ``busy_grace_s``;
+* any other failed probe counts; ``unhealthy_after`` consecutive ones make the
+  worker unhealthy.
+The counts are shown by ``GET /workers``.
+
 Capability: a worker whose model reports ``supports_vision = false`` cannot
 take image or video input; a request carrying them is refused with
 ``multimodal_not_supported`` (400) rather than failing inside the engine.
@@ -15,13 +26,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from mmgate import metrics
-from mmgate.engines.vllm_client import VllmWorkerClient, WorkerInfo
+from mmgate.engines.vllm_client import Probe, ProbeOutcome, VllmWorkerClient, WorkerInfo
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.types import Modality
+
+if TYPE_CHECKING:
+    from mmgate.settings import Settings
 
 log = logging.getLogger("mmgate.routing")
 
@@ -41,6 +57,20 @@ def parse_worker_url(url: str) -> str:
     return target
 
 
+@dataclass(frozen=True, slots=True)
+class HealthPolicy:
+    """How workers are probed and when a failing one is marked unhealthy (see the module docstring)."""
+
+    interval_s: float = 5.0  # seconds between probe rounds (--worker-health-interval)
+    timeout_s: float = 2.0  # deadline of each probe RPC (--worker-health-timeout)
+    unhealthy_after: int = 3  # consecutive counted failures that mark a worker unhealthy (--worker-unhealthy-after)
+    busy_grace_s: float = 60.0  # how long a worker with requests in flight may go without any answer
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0 or self.timeout_s <= 0 or self.busy_grace_s < 0 or self.unhealthy_after < 1:
+            raise ValueError("health interval and timeout must be positive, unhealthy_after at least 1")
+
+
 @dataclass(slots=True)
 class Worker:
     """One engine worker and what is known about it."""
@@ -52,6 +82,35 @@ class Worker:
     healthy: bool = False
     in_flight: int = 0
     labels: dict[str, str] = field(default_factory=dict)
+    failures: int = 0  # consecutive failed probes (busy timeouts excluded); 0 after any pass
+    busy_probes: int = 0  # consecutive probes that timed out while busy (not counted as failures)
+    last_probe: str = ""  # ProbeOutcome of the last probe, or "busy"
+
+    def record_probe(self, probe: Probe, policy: HealthPolicy, now: float, last_answer: float) -> bool:
+        """Apply one probe's result to ``healthy`` and the counts; returns the new ``healthy``.
+
+        ``now`` and ``last_answer`` (when the worker last answered anything) are ``time.monotonic()`` seconds.
+        """
+        outcome = probe.outcome
+        if outcome is ProbeOutcome.OK:
+            self.failures = self.busy_probes = 0
+            self.healthy = True
+            if probe.info is not None:
+                self.info = probe.info
+                self.labels = dict(probe.info.labels)
+            self.last_probe = outcome.value
+            return True
+        if (outcome is ProbeOutcome.TIMEOUT and self.in_flight > 0
+                and now - last_answer <= policy.busy_grace_s):
+            self.busy_probes += 1
+            self.last_probe = "busy"
+            return self.healthy
+        self.busy_probes = 0
+        self.failures += 1
+        self.last_probe = outcome.value
+        if outcome in (ProbeOutcome.UNREACHABLE, ProbeOutcome.NOT_SERVING) or self.failures >= policy.unhealthy_after:
+            self.healthy = False
+        return self.healthy
 
     def hold(self, *also: Callable[[], object]) -> Callable[[], None]:
         """Count one request in flight on this worker; returns an idempotent release that also runs ``also``."""
@@ -80,45 +139,61 @@ class Worker:
 class WorkerRegistry:
     """All workers of the served model."""
 
-    def __init__(self, urls: Iterable[str], health_interval_s: float = 5.0) -> None:
+    def __init__(self, urls: Iterable[str], policy: HealthPolicy | None = None) -> None:
         self.workers = [Worker(url=u, target=parse_worker_url(u)) for u in urls]
-        self.health_interval_s = health_interval_s
+        self.policy = policy or HealthPolicy()
         self._task: asyncio.Task[None] | None = None
 
+    @classmethod
+    def from_settings(cls, settings: Settings) -> WorkerRegistry:
+        """The registry of ``settings.worker_urls`` with the ``--worker-health-*`` policy.
+
+        Raises:
+            ValueError: a worker URL that is not ``grpc://host:port``, or a bad health policy.
+        """
+        return cls(settings.worker_urls, HealthPolicy(interval_s=settings.worker_health_interval_s,
+                                                      timeout_s=settings.worker_health_timeout_s,
+                                                      unhealthy_after=settings.worker_unhealthy_after))
+
+    @property
+    def health_interval_s(self) -> float:
+        """Seconds between probe rounds (``policy.interval_s``; settable, e.g. by tests)."""
+        return self.policy.interval_s
+
+    @health_interval_s.setter
+    def health_interval_s(self, value: float) -> None:
+        self.policy = replace(self.policy, interval_s=value)
+
     async def refresh(self) -> None:
-        """Probe every worker once (health, and info until it is known)."""
+        """Probe every worker once (HealthCheck, then GetModelInfo + GetServerInfo for the labels)."""
         await asyncio.gather(*(self._probe(w) for w in self.workers))
 
     async def _probe(self, worker: Worker) -> None:
         if worker.client is None:
             worker.client = VllmWorkerClient(worker.target)
-        healthy = await worker.client.health()
-        if healthy:
-            try:
-                info = await worker.client.info()
-            except GatewayError:
-                healthy = False
-            else:
-                worker.info = info
-                worker.labels = dict(info.labels)
-        if healthy != worker.healthy:
-            log.info("worker %s is %s", worker.url, "healthy" if healthy else "unhealthy")
-        worker.healthy = healthy
+        was = worker.healthy
+        probe = await worker.client.probe(self.policy.timeout_s)
+        healthy = worker.record_probe(probe, self.policy, time.monotonic(), worker.client.last_answer)
+        if healthy != was:
+            log.warning("worker %s is %s (probe: %s, %d consecutive failures)", worker.url,
+                        "healthy" if healthy else "unhealthy", probe.outcome.value, worker.failures)
         metrics.WORKER_HEALTHY.labels(worker.url).set(1 if healthy else 0)
 
     async def start(self) -> None:
+        """Probe every worker once, then every ``policy.interval_s`` seconds in the background."""
         await self.refresh()
         self._task = asyncio.create_task(self._loop())
 
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(self.health_interval_s)
+            await asyncio.sleep(self.policy.interval_s)
             try:
                 await self.refresh()
             except Exception:  # a probe must never kill the loop
                 log.exception("worker health refresh failed")
 
     async def close(self) -> None:
+        """Stop probing and close every worker's channel."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)

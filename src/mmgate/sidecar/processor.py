@@ -70,7 +70,10 @@ def processing_fingerprint(runtime: ModelRuntime, config: ProcessingConfig) -> t
     thread counts are left out: they change when a request fails, not what a
     successful one produces.
     """
-    bundle = runtime.bundle
+    bundle, family = runtime.bundle, runtime.family
+    # A family without video support raises on ``video_fingerprint`` (GatewayError, not
+    # AttributeError): ask only a family whose limits hold video.
+    video = family.video_fingerprint if family is not None and Modality.VIDEO in family.limits else ""
     files = {"config": bundle.config, "preprocessor_config": bundle.preprocessor_config,
              "video_preprocessor_config": bundle.video_preprocessor_config,
              "processor_config": bundle.processor_config}
@@ -78,8 +81,8 @@ def processing_fingerprint(runtime: ModelRuntime, config: ProcessingConfig) -> t
     fetch = {k: v for k, v in asdict(config.fetch).items() if not k.endswith("_timeout_s")}
     description: dict[str, Any] = {
         "schema": SCHEMA_VERSION, "model_type": bundle.model_type, "model_files": model_files,
-        "family": runtime.family.fingerprint if runtime.family is not None else "",
-        "video": str(getattr(runtime.family, "video_fingerprint", "")),
+        "family": family.fingerprint if family is not None else "",
+        "video": video,
         "fetch": fetch, "item_limits": dict(sorted(config.item_limits.items())),
     }
     digest = hashlib.sha256(json.dumps(description, sort_keys=True, default=str).encode()).hexdigest()
@@ -90,7 +93,9 @@ def load_runtime(model: str | Path, search_path: Sequence[Path], config: Process
     """Bundle, tokenizer and family of ``model`` (no weights).
 
     Raises:
-        GatewayError(MODEL_NOT_FOUND): no such bundle, or a vision model no family serves.
+        GatewayError(MODEL_NOT_FOUND): no such bundle, or a media model no family serves
+            (:func:`mmgate.models.registry.check_servable`: the message names its ``model_type``
+            and the registered families).
     """
     bundle = resolve_bundle(str(model), tuple(search_path))
     tokenizer = load_tokenizer(bundle)

@@ -1,0 +1,213 @@
+"""The HTTP server under the app: uvicorn with mmgate's connection limits.
+
+Stage: before any route runs.  In: TCP connections on the gateway's port.
+Out: ASGI requests for the app, or a refusal rendered from the error table.
+
+uvicorn (0.5x, h11 protocol) bounds the time between two requests on a kept-alive
+connection (``timeout_keep_alive``) but nothing else: a connection whose request
+line and headers never complete is held forever, and ``limit_concurrency``
+answers plain text.  :class:`GuardedH11Protocol` adds, per connection:
+
+* a header deadline (``--http-header-timeout``), armed on connect and again on
+  the first byte after each response, cancelled when the headers are complete:
+  past it, a connection that sent part of a request gets 408 ``request_timeout``
+  and is closed; one that sent nothing is closed silently (an idle pre-connect);
+* a connection cap (``--max-connections``): a request on a connection opened
+  past it gets 503 ``server_busy`` with ``Connection: close``;
+* uvicorn's 400 for an unparsable request (including headers over h11's 16 KiB)
+  rendered as the error body ``invalid_request``.
+
+The body deadline lives in :func:`mmgate.api.app.read_body`.
+:class:`CloseUnreadBody` adds ``Connection: close`` to any response sent before
+its request body was read to the end (413, 415, 408, 404 ...), so a slow body
+cannot keep the connection once it has been answered.
+
+:func:`uvicorn_config` is the one place that builds the server config; ``mmgate
+serve`` and the tests' in-thread gateway both use it.  docs/limits.md lists the
+defaults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import ClassVar
+
+import h11
+import uvicorn
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from mmgate import metrics
+from mmgate.errors import ErrorCode, GatewayError
+from mmgate.settings import HttpSettings, Settings
+
+log = logging.getLogger("mmgate.api.server")
+
+
+def error_bytes(exc: GatewayError) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+    """The error body and headers of ``exc`` for a response that closes the connection.
+
+    Mirrors :func:`mmgate.api.app.error_response` (body, ``X-SMG-Error-Code``, ``Retry-After``
+    for retryable codes) and counts the code in ``mmgate_errors_total``.
+    """
+    metrics.ERRORS.labels(exc.code.value).inc()
+    body = json.dumps(exc.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (b"x-smg-error-code", exc.code.value.encode()), (b"connection", b"close")]
+    if exc.spec.retryable:
+        headers.append((b"retry-after", b"1"))
+    return body, headers
+
+
+def raw_error_response(exc: GatewayError) -> bytes:
+    """``exc`` as a complete HTTP/1.1 response, for writing straight to a transport."""
+    body, headers = error_bytes(exc)
+    reason = {400: "Bad Request", 408: "Request Timeout"}.get(exc.status, "Error")
+    head = f"HTTP/1.1 {exc.status} {reason}\r\n".encode()
+    head += b"".join(name + b": " + value + b"\r\n" for name, value in headers)
+    return head + b"\r\n" + body
+
+
+async def busy_app(scope: Scope, receive: Receive, send: Send) -> None:
+    """The ASGI app a connection opened past the cap gets: 503 ``server_busy``, then close."""
+    body, headers = error_bytes(GatewayError(ErrorCode.SERVER_BUSY, "too many open connections; retry later"))
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+_last_busy_log = 0.0
+
+
+def _log_busy(limit: int) -> None:
+    """One warning per 10 s at most while connections are refused."""
+    global _last_busy_log
+    now = time.monotonic()
+    if now - _last_busy_log >= 10.0:
+        _last_busy_log = now
+        log.warning("more than %d open connections: new ones get 503 server_busy", limit)
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a header deadline and a connection cap (see the module docstring).
+
+    ``header_timeout_s`` and ``max_connections`` are class attributes; :func:`protocol_for` binds
+    them to one :class:`HttpSettings` in a subclass, which is what ``uvicorn.Config(http=...)`` takes.
+    """
+
+    header_timeout_s: ClassVar[float] = 10.0
+    max_connections: ClassVar[int] = 1024
+
+    _header_timer: asyncio.TimerHandle | None = None
+    _armed_cycle: object = None  # the request cycle current when the deadline was armed
+    _partial: bool = False  # a byte of the awaited request has arrived
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            self.app = busy_app
+            _log_busy(self.max_connections)
+        self._arm_header_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self._between_requests():
+            if self._header_timer is None:
+                self._arm_header_timer()
+            self._partial = True
+        before = self.cycle
+        super().data_received(data)
+        if self.cycle is not before:  # the headers are complete: a request began
+            self._cancel_header_timer()
+
+    def on_response_complete(self) -> None:
+        before = self.cycle
+        super().on_response_complete()
+        if self.cycle is not before:  # a pipelined request began
+            self._cancel_header_timer()
+        elif self._between_requests() and self.conn.trailing_data[0] and not self.transport.is_closing():
+            self._arm_header_timer()  # part of the next request is already buffered
+            self._partial = True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to an unparsable request, as the error body ``invalid_request``."""
+        self._cancel_header_timer()
+        self.transport.write(raw_error_response(GatewayError(ErrorCode.INVALID_REQUEST, "invalid HTTP request")))
+        self.transport.close()
+
+    def _between_requests(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _arm_header_timer(self) -> None:
+        self._cancel_header_timer()
+        self._armed_cycle = self.cycle
+        self._partial = False
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._on_header_timeout)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _on_header_timeout(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing() or self.cycle is not self._armed_cycle:
+            return
+        if self._partial and self.conn.our_state is h11.IDLE:
+            exc = GatewayError(ErrorCode.REQUEST_TIMEOUT,
+                               f"request headers not received within {self.header_timeout_s:g} s")
+            self.transport.write(raw_error_response(exc))
+        log.debug("closing a connection: no complete request headers within %g s", self.header_timeout_s)
+        self.transport.close()
+
+
+def protocol_for(http: HttpSettings) -> type[GuardedH11Protocol]:
+    """A :class:`GuardedH11Protocol` subclass bound to ``http``'s header timeout and connection cap."""
+    return type("MmgateH11Protocol", (GuardedH11Protocol,),
+                {"header_timeout_s": http.header_timeout_s, "max_connections": http.max_connections})
+
+
+class CloseUnreadBody:
+    """ASGI middleware: ``Connection: close`` on a response that starts before the request body was
+    read to its end (or on a request the app never read), so the client's remaining bytes are not
+    waited for on a kept-alive connection."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length", b"0").strip()
+        body_done = b"transfer-encoding" not in headers and length in (b"0", b"")
+
+        async def tracked_receive() -> Message:
+            nonlocal body_done
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_done = True
+            return message
+
+        async def closing_send(message: Message) -> None:
+            if message["type"] == "http.response.start" and not body_done:
+                kept = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
+                message = {**message, "headers": [*kept, (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, tracked_receive, closing_send)
+
+
+def uvicorn_config(app: ASGIApp, settings: Settings, *, host: str | None = None, port: int | None = None,
+                   log_level: str | None = None) -> uvicorn.Config:
+    """The uvicorn config of a gateway: ``app`` wrapped in :class:`CloseUnreadBody`, served by
+    :func:`protocol_for` ``(settings.http)``; ``host``/``port``/``log_level`` default to ``settings``'."""
+    return uvicorn.Config(CloseUnreadBody(app), host=host or settings.host, port=port or settings.port,
+                          log_level=log_level or settings.log_level, http=protocol_for(settings.http),
+                          access_log=False)
