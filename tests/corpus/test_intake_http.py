@@ -15,7 +15,6 @@ from dataclasses import replace
 
 import httpx
 import numpy as np
-import pytest
 from PIL import Image
 
 from mmgate.settings import FetchSettings, Settings

@@ -13,7 +13,6 @@ import base64
 import io
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import openai

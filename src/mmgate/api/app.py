@@ -18,35 +18,30 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 
 from mmgate import memory, metrics
+from mmgate.api.answer import start_chat
 from mmgate.api.disconnect import until_disconnect
 from mmgate.api.protocol import ChatCompletionRequest, parse_chat_request
 from mmgate.api.responses import respond
-from mmgate.api.worker_mode import forward_media_refs
 from mmgate.budget import InflightBudget
 from mmgate.cache import PixelCache
 from mmgate.chat.tokenizer import load_tokenizer
-from mmgate.engines.vllm import ENGINE, encode_generate_request
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.fetch import MediaFetcher
 from mmgate.models.bundle import resolve_bundle
 from mmgate.models.geometry import resolve_backend, video_backend_for
 from mmgate.models.registry import load_family
 from mmgate.pipeline import ModelRuntime, Pipeline
-from mmgate.routing.mm_processing import Mode, decide_request
-from mmgate.routing.workers import Worker, WorkerRegistry
+from mmgate.routing.workers import WorkerRegistry
 from mmgate.settings import HttpSettings, Settings
-from mmgate.transport.policy import WirePlan, wire_plan
-from mmgate.transport.shm import ShmError, ShmLease, sweep_dead_segments
-from mmgate.types import Modality, PreparedRequest
+from mmgate.transport.shm import sweep_dead_segments
 
 log = logging.getLogger("mmgate.api")
 
@@ -169,24 +164,6 @@ def body_limit_for(settings: Settings) -> int:
     return max(fs.image_max_bytes, fs.video_max_bytes, fs.audio_max_bytes) * 4 // 3 + 1024 * 1024
 
 
-#: arrays at least this large make encoding worth a trip to the pool
-_HEAVY_BYTES = 1 << 20
-
-
-def _encode_is_heavy(prepared: PreparedRequest, wire: WirePlan) -> bool:
-    """Whether encoding copies or writes a large array (then it runs in the pool); a pending tensor costs
-    only a segment name or an allocation."""
-    for batch in prepared.batches:
-        for tensor in batch.tensors.values():
-            if isinstance(tensor, np.ndarray) and tensor.nbytes >= _HEAVY_BYTES:
-                return True
-    return False
-
-
-def _timing_header(timings: dict[str, float]) -> str:
-    return ",".join(f"{k}={v:.2f}" for k, v in timings.items())
-
-
 def create_app(state: GatewayState) -> FastAPI:
     """The FastAPI app over ``state`` (workers are probed on start-up, closed on shutdown)."""
 
@@ -219,62 +196,10 @@ def create_app(state: GatewayState) -> FastAPI:
         return await until_disconnect(request, answer_chat(req))
 
     async def answer_chat(req: ChatCompletionRequest) -> Response:
-        decision = decide_request(req, state.settings, state.runtime, state.workers.workers)
-        if decision is not None and decision.mode is Mode.WORKER:
-            return await forward_media_refs(state, req)
-        chosen: list[tuple[Worker, WirePlan]] = []
-
-        def choose_worker(modalities: frozenset[Modality]) -> bool:
-            worker = state.workers.select(modalities)
-            wire = wire_plan(state.settings.transport, worker.labels)
-            chosen.append((worker, wire))
-            return wire.device_normalize
-
-        prepared = await state.pipeline.prepare(req, choose_worker=choose_worker, defer_pixels=True)
-        worker, wire = chosen[0]
-        timings = prepared.timings_ms
-        grant = await state.budget.acquire(sum(b.nbytes for b in prepared.batches))
-        lease = ShmLease()
-        release = worker.hold(lease.release, grant.release)
-
-        try:
-            with metrics.stage("assemble", timings):
-                if _encode_is_heavy(prepared, wire):
-                    encoded = await asyncio.get_running_loop().run_in_executor(
-                        state.executor, encode_generate_request, prepared, wire, lease)
-                else:
-                    encoded = encode_generate_request(prepared, wire, lease)
-            if encoded.pending:
-                # Deferred pixels: computed now, straight into the segment or the request bytes.
-                with metrics.stage("preprocess", timings):
-                    try:
-                        await encoded.fill()
-                    except ShmError:  # /dev/shm full while writing: again, inline
-                        metrics.SHM_WRITE_FAILURES.labels(ENGINE).inc()
-                        lease.release()
-                        encoded = encode_generate_request(prepared, replace(wire, shm=False))
-                        await encoded.fill()
-            metrics.PROMPT_TOKENS.inc(len(prepared.input_ids))
-            assert worker.client is not None
-            responses = worker.client.generate(encoded.data)
-        except BaseException:
-            release()
-            raise
-        try:
-            start = time.perf_counter()
-            first = await anext(responses)
-            timings["engine_first_response"] = (time.perf_counter() - start) * 1000.0
-        except BaseException:
-            release()
-            await responses.aclose()
-            raise
-        # The engine has read every tensor before answering: free the segments and the budget now.
-        lease.release()
-        grant.release()
-        headers = {"X-Mmgate-Stage-Ms": _timing_header(timings), "X-Request-Id": prepared.request_id}
+        answer = await start_chat(state, req)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await respond(prepared, req.stream, include_usage, first, responses, state.runtime.tokenizer,
-                             release, headers)
+        return await respond(answer.prepared, req.stream, include_usage, answer.first, answer.rest,
+                             state.runtime.tokenizer, answer.release, answer.headers)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

@@ -23,11 +23,9 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from fastapi.responses import Response
-
 from mmgate import metrics
+from mmgate.api.answer import EngineAnswer
 from mmgate.api.protocol import ChatCompletionRequest
-from mmgate.api.responses import respond
 from mmgate.engines.vllm import build_media_ref_request
 from mmgate.errors import GatewayError
 from mmgate.routing.mm_processing import check_anchor_counts, check_ref_sizes, select_processing_worker
@@ -47,8 +45,9 @@ def with_part_param(exc: GatewayError, refs: Sequence[MediaRef]) -> GatewayError
     return exc
 
 
-async def forward_media_refs(state: GatewayState, req: ChatCompletionRequest) -> Response:
-    """Send ``req`` to a worker that processes its media itself (see the module docstring)."""
+async def forward_media_refs(state: GatewayState, req: ChatCompletionRequest) -> EngineAnswer:
+    """Send ``req`` to a worker that processes its media itself (see the module docstring); the engine
+    has answered once when this returns."""
     timings: dict[str, float] = {}
     pipeline = state.pipeline
     plan, prompt, ids = await pipeline.render_prompt_async(req, timings)
@@ -83,6 +82,4 @@ async def forward_media_refs(state: GatewayState, req: ChatCompletionRequest) ->
     metrics.PROMPT_TOKENS.inc(first.chunk.prompt_tokens if kind == "chunk" else first.complete.prompt_tokens)
     headers = {"X-Mmgate-Stage-Ms": ",".join(f"{k}={v:.2f}" for k, v in timings.items()),
                "X-Request-Id": prepared.request_id, "X-Mmgate-Mm-Processing": "worker"}
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await respond(prepared, req.stream, include_usage, first, responses, state.runtime.tokenizer, release,
-                         headers)
+    return EngineAnswer(prepared, first, responses, release, headers)

@@ -1,0 +1,137 @@
+"""One engine call for every API shape: a chat request in, the engine's answer stream out.
+
+Stage: select worker -> assemble -> transport -> engine (first response).  In: a validated
+:class:`~mmgate.api.protocol.ChatCompletionRequest` (the chat completions endpoint's own, or one that
+``/v1/messages`` and ``/v1/responses`` translate their requests into); out: an
+:class:`EngineAnswer` whose engine has answered once, so engine refusals surface as HTTP errors
+before any byte of a response is sent.  Each endpoint renders the answer in its own shape
+(:mod:`mmgate.api.responses` for chat completions).
+
+Router mode prepares the request here (plan, render, fetch, preprocess, expand), picks the worker
+and writes the encoder tensors straight into their transport buffer; worker mode forwards media
+references (:func:`mmgate.api.worker_mode.forward_media_refs`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from mmgate import metrics
+from mmgate.api.protocol import ChatCompletionRequest
+from mmgate.engines.vllm import ENGINE, encode_generate_request
+from mmgate.routing.mm_processing import Mode, decide_request
+from mmgate.routing.workers import Worker
+from mmgate.transport.policy import WirePlan, wire_plan
+from mmgate.transport.shm import ShmError, ShmLease
+from mmgate.types import Modality, PreparedRequest
+
+if TYPE_CHECKING:
+    from smg_grpc_proto.generated import vllm_engine_pb2
+
+    from mmgate.api.app import GatewayState
+
+
+@dataclass
+class EngineAnswer:
+    """A request the engine has answered once.
+
+    ``first`` is the engine's first ``GenerateResponse`` and ``rest`` the remaining stream (close it
+    with ``aclose``); ``release`` frees the worker slot and runs exactly once, when the answer is
+    finished or abandoned; ``headers`` are the response headers every shape sends
+    (``X-Request-Id``, ``X-Mmgate-Stage-Ms``, ...).
+    """
+
+    prepared: PreparedRequest
+    first: vllm_engine_pb2.GenerateResponse
+    rest: AsyncGenerator[vllm_engine_pb2.GenerateResponse, None]
+    release: Callable[[], None]
+    headers: dict[str, str]
+
+
+#: arrays at least this large make encoding worth a trip to the pool
+_HEAVY_BYTES = 1 << 20
+
+
+def _encode_is_heavy(prepared: PreparedRequest) -> bool:
+    """Whether encoding copies or writes a large array (then it runs in the pool); a pending tensor costs
+    only a segment name or an allocation."""
+    for batch in prepared.batches:
+        for tensor in batch.tensors.values():
+            if isinstance(tensor, np.ndarray) and tensor.nbytes >= _HEAVY_BYTES:
+                return True
+    return False
+
+
+def timing_header(timings: dict[str, float]) -> str:
+    """``X-Mmgate-Stage-Ms``: ``stage=ms,...``."""
+    return ",".join(f"{k}={v:.2f}" for k, v in timings.items())
+
+
+async def start_chat(state: GatewayState, req: ChatCompletionRequest) -> EngineAnswer:
+    """Run ``req`` up to the engine's first response (router or worker mode, as decided for it).
+
+    Raises:
+        GatewayError: any refusal of the pipeline, the worker selection or the engine.
+    """
+    from mmgate.api.worker_mode import forward_media_refs
+
+    decision = decide_request(req, state.settings, state.runtime, state.workers.workers)
+    if decision is not None and decision.mode is Mode.WORKER:
+        return await forward_media_refs(state, req)
+    chosen: list[tuple[Worker, WirePlan]] = []
+
+    def choose_worker(modalities: frozenset[Modality]) -> bool:
+        worker = state.workers.select(modalities)
+        wire = wire_plan(state.settings.transport, worker.labels)
+        chosen.append((worker, wire))
+        return wire.device_normalize
+
+    prepared = await state.pipeline.prepare(req, choose_worker=choose_worker, defer_pixels=True)
+    worker, wire = chosen[0]
+    timings = prepared.timings_ms
+    grant = await state.budget.acquire(sum(b.nbytes for b in prepared.batches))
+    lease = ShmLease()
+    release = worker.hold(lease.release, grant.release)
+
+    try:
+        with metrics.stage("assemble", timings):
+            if _encode_is_heavy(prepared):
+                encoded = await asyncio.get_running_loop().run_in_executor(
+                    state.executor, encode_generate_request, prepared, wire, lease)
+            else:
+                encoded = encode_generate_request(prepared, wire, lease)
+        if encoded.pending:
+            # Deferred pixels: computed now, straight into the segment or the request bytes.
+            with metrics.stage("preprocess", timings):
+                try:
+                    await encoded.fill()
+                except ShmError:  # /dev/shm full while writing: again, inline
+                    metrics.SHM_WRITE_FAILURES.labels(ENGINE).inc()
+                    lease.release()
+                    encoded = encode_generate_request(prepared, replace(wire, shm=False))
+                    await encoded.fill()
+        metrics.PROMPT_TOKENS.inc(len(prepared.input_ids))
+        assert worker.client is not None
+        responses = worker.client.generate(encoded.data)
+    except BaseException:
+        release()
+        raise
+    try:
+        start = time.perf_counter()
+        first = await anext(responses)
+        timings["engine_first_response"] = (time.perf_counter() - start) * 1000.0
+    except BaseException:
+        release()
+        await responses.aclose()
+        raise
+    # The engine has read every tensor before answering: free the segments and the budget now.
+    lease.release()
+    grant.release()
+    headers = {"X-Mmgate-Stage-Ms": timing_header(timings), "X-Request-Id": prepared.request_id}
+    return EngineAnswer(prepared, first, responses, release, headers)
