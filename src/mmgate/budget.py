@@ -63,7 +63,7 @@ class InflightBudget:
         self._queued = 0
 
     def _reject(self, code: ErrorCode, message: str) -> GatewayError:
-        metrics.BUDGET_REJECTIONS.labels(code.value).inc()
+        metrics.budget_rejected(code.value)
         return GatewayError(code, message)
 
     async def acquire(self, nbytes: int) -> BudgetGrant:

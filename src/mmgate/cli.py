@@ -1,11 +1,15 @@
-"""``mmgate serve | engine | demo``.
+"""``mmgate serve | engine | sidecar | demo``.
 
 * ``serve``: the OpenAI-compatible gateway (flags in :mod:`mmgate.settings`).
 * ``engine``: the CPU reference engine (:mod:`mmgate.refengine`).
+* ``sidecar``: the Redis media-processing sidecar (:mod:`mmgate.sidecar`).
 * ``demo``: the quick start — starts a reference engine and a gateway on
   loopback with a bundled Qwen-VL model, sends one chat request with a sample
   image, prints the answer, the prompt token count and the stage timings, then
   stops both (:mod:`mmgate.demo`).
+
+``mmgate COMMAND --help`` lists a command's flags grouped by topic, each with its
+default and environment variable; docs/configuration.md lists them all.
 """
 
 from __future__ import annotations

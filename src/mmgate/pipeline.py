@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
@@ -32,8 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from mmgate import metrics
+from mmgate import metrics, timing_log
 from mmgate.api.protocol import ChatCompletionRequest, TextPart
+from mmgate.api.structured import request_constraint, template_tools
 from mmgate.cache import PixelCache
 from mmgate.chat.integrity import ReservedTokens
 from mmgate.chat.template import render_chat
@@ -118,6 +120,10 @@ def context_length(bundle: ModelBundle) -> int:
 #: how far Unicode normalization (NFC/NFKC) can shorten text: at most 4 characters compose into one
 _NORMALIZATION_SLACK = 4
 
+#: a prompt of more characters than this many per context token is counted piecewise before it is
+#: tokenized whole (``BundleTokenizer.exceeds``)
+_CHARS_PER_TOKEN_TRIGGER = 4
+
 #: below this many messages and characters a prompt is rendered on the event loop (cheaper than a thread hop)
 _INLINE_RENDER_MESSAGES = 64
 _INLINE_RENDER_CHARS = 32 * 1024
@@ -177,6 +183,16 @@ class Pipeline:
             top_k=req.top_k if req.top_k is not None and req.top_k > 0 else 0, seed=req.seed, stop=stop,
             ignore_eos=req.ignore_eos, frequency_penalty=req.frequency_penalty,
             presence_penalty=req.presence_penalty,
+            # H-C1: as vLLM ChatCompletionRequest.to_sampling_params (logprobs=top_logprobs if logprobs)
+            n=req.n, min_p=req.min_p or 0.0,
+            repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
+            min_tokens=req.min_tokens, stop_token_ids=tuple(req.stop_token_ids or ()),
+            logit_bias=tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items()),
+            logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
+            constraint=request_constraint(req),  # H-C2: response_format, guided_*, tool_choice
         )
 
     async def prepare(self, req: ChatCompletionRequest, request_id: str | None = None,
@@ -244,16 +260,22 @@ class Pipeline:
                     raise GatewayError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                                        f"the messages are longer than the model's context of {limit} tokens can hold",
                                        "messages")
-            safe = runtime.reserved.sanitize(plan.template_messages, req.chat_template_kwargs)
+            safe = runtime.reserved.sanitize(plan.template_messages, req.chat_template_kwargs, template_tools(req))
         with metrics.stage("render", timings):
             if runtime.bundle.chat_template is None:
                 raise GatewayError(ErrorCode.INVALID_REQUEST, "model has no chat template")
             prompt = render_chat(runtime.bundle.chat_template, safe.messages, runtime.tokenizer.special_tokens,
-                                 add_generation_prompt=req.add_generation_prompt, extra=safe.template_kwargs)
+                                 add_generation_prompt=req.add_generation_prompt, extra=safe.template_kwargs,
+                                 tools=safe.tools)
             segments = safe.segments(prompt)
-            ids = runtime.tokenizer.encode_segments(segments, runtime.reserved_ids)
             if safe.typed:
                 prompt = "".join(text for text, _ in segments)
+            if limit and len(prompt) > limit * _CHARS_PER_TOKEN_TRIGGER and runtime.tokenizer.exceeds(prompt, limit - 1):
+                # Far more text than the context holds: refused from a bounded count, without ever
+                # holding the encoding of the whole text.
+                raise GatewayError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                                   f"the prompt is longer than the model's context of {limit} tokens", "messages")
+            ids = runtime.tokenizer.encode_segments(segments, runtime.reserved_ids)
         return plan, prompt, ids
 
     async def process_media(self, ids: list[int], plan: RequestPlan, timings: dict[str, float],
@@ -478,12 +500,16 @@ class Pipeline:
 
         async def one(ref: MediaRef) -> DecodedVideo:
             data = await payloads[ref.url]
+            started = time.perf_counter()
             try:
-                return await loop.run_in_executor(self.executor, partial(
+                clip = await loop.run_in_executor(self.executor, partial(
                     decode_video, data, sampler(ref), allowance, vs.decode_timeout_s, stop,
                     apply_rotation=vs.apply_rotation))
             except GatewayError as exc:
                 raise GatewayError(exc.code, exc.message, ref.param) from None
+            timing_log.video_decoded(len(data), len(clip.frame_indices), clip.height, clip.width, clip.rotation,
+                                     time.perf_counter() - started)
+            return clip
 
         tasks: dict[tuple[str, float | None], asyncio.Future[DecodedVideo]] = {}
         for ref in refs:
@@ -557,8 +583,8 @@ def _with_items(batch: EncoderBatch | None, hashes: tuple[str, ...], ranges: Seq
 
 
 def _small_conversation(req: ChatCompletionRequest) -> bool:
-    """Few messages and little text: rendering costs less than a trip to the pool."""
-    if len(req.messages) > _INLINE_RENDER_MESSAGES:
+    """Few messages and little caller text: rendering costs less than a trip to the pool."""
+    if len(req.messages) > _INLINE_RENDER_MESSAGES or req.chat_template_kwargs:
         return False
     chars = 0
     for message in req.messages:
@@ -567,18 +593,24 @@ def _small_conversation(req: ChatCompletionRequest) -> bool:
             chars += len(content)
         elif content is not None:
             chars += sum(len(p.text) for p in content if isinstance(p, TextPart))
+        for extra in (message.reasoning_content, message.name, message.tool_call_id):
+            chars += len(extra) if extra else 0
         if message.tool_calls or chars > _INLINE_RENDER_CHARS:
             return False
-    return not req.chat_template_kwargs
+    return not getattr(req, "tools", None)
 
 
 def _text_chars(messages: Sequence[Mapping[str, Any]]) -> int:
-    """Characters of the caller text a template renders (content strings and text parts)."""
+    """Characters of every caller string a template may render (content, text parts, names, tool
+    calls, reasoning)."""
     total = 0
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, str):
-            total += len(content)
-        elif isinstance(content, list):
-            total += sum(len(p["text"]) for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str))
+    stack: list[Any] = list(messages)
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, Mapping):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
     return total

@@ -2,18 +2,26 @@
 
 ``parse_settings(argv, environ)`` returns a frozen :class:`Settings` that is
 passed down explicitly; no other module reads the environment.  Precedence:
-flag, then environment variable, then built-in default.
+flag, then environment variable, then built-in default (:mod:`mmgate.options`
+resolves it; a deprecated variable warns once, an unreadable one stops start-up).
+
+The media-intake and video option groups (:func:`add_media_options`,
+:func:`add_video_options`) are defined here once and used by ``mmgate engine``
+and ``mmgate sidecar`` as well (:mod:`mmgate.sidecar.config`).  ``--help``
+groups every option by topic; docs/configuration.md is rendered from these
+definitions (:mod:`mmgate.config_docs`).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
+
+from mmgate.options import add_option, resolve
 
 
 class ImageBackend(StrEnum):
@@ -38,6 +46,8 @@ ENV_VIDEO_MAX_BYTES = "SMG_VIDEO_MAX_INPUT_BYTES"
 ENV_AUDIO_MAX_BYTES = "SMG_AUDIO_MAX_INPUT_BYTES"
 ENV_ALLOW_PRIVATE = "MMGATE_ALLOW_PRIVATE_MEDIA_HOSTS"
 ENV_VIDEO_APPLY_ROTATION = "MMGATE_VIDEO_APPLY_ROTATION"
+ENV_VIDEO_DECODE_TIMEOUT = "SMG_VIDEO_PROCESS_TIMEOUT_SECS"  # SMG: timeout of one ffmpeg video decode
+ENV_MAX_COUNT = {"image": "SMG_IMAGE_MAX_COUNT", "video": "SMG_VIDEO_MAX_COUNT", "audio": "SMG_AUDIO_MAX_COUNT"}
 
 
 DEFAULT_IMAGE_MAX_BYTES = 20 * 1024 * 1024
@@ -82,6 +92,113 @@ class VideoSettings:
     apply_rotation: bool = True  # display-matrix rotation applied (upright, as ffmpeg/OpenCV); False: as the reference
 
 
+GROUP_MEDIA = "media intake"
+GROUP_VIDEO = "video"
+
+
+def add_media_options(parser: argparse.ArgumentParser) -> None:
+    """The media-intake option group: one definition for ``mmgate serve``, ``engine`` and ``sidecar``.
+
+    Reference image backend, per-request item limits, fetch policy and limits,
+    per-modality byte caps and image decoding (docs/media-intake.md).  Read back,
+    after :func:`mmgate.options.resolve`, with :func:`fetch_settings`,
+    :func:`item_limits` and ``ImageBackend(ns.image_backend)``.
+    """
+    g = parser.add_argument_group(GROUP_MEDIA)
+    add_option(g, "--image-backend", choices=[b.value for b in ImageBackend], default=ImageBackend.AUTO.value,
+               env=(ENV_IMAGE_BACKEND,),
+               help="transformers image-processor backend to be exact to (auto: torchvision when importable)")
+    add_option(g, "--mm-limit", action="append", default=[], metavar="MODALITY=COUNT",
+               env_doc=tuple(ENV_MAX_COUNT.values()),
+               help="per-request item limit override, e.g. image=4; repeat per modality")
+    add_option(g, "--mm-per-request-image-limit", type=int, default=None, minimum=1, metavar="COUNT",
+               help="per-request image limit for every model (as smg; --mm-limit image=N wins)")
+    add_option(g, "--mm-allowed-media-domains", nargs="*", default=[], metavar="DOMAIN",
+               help="fetch allow-list: a host or a subdomain of an entry (empty: any public host)")
+    add_option(g, "--mm-allow-private-media-hosts", action="store_true", default=False, env=(ENV_ALLOW_PRIVATE,),
+               help="allow loopback/private/link-local media hosts (trusted setups and tests)")
+    add_option(g, "--mm-fetch-timeout", type=float, default=20.0,
+               help="whole media fetch (every hop, headers and body), seconds")
+    add_option(g, "--mm-fetch-connect-timeout", type=float, default=5.0, help="one connection attempt, seconds")
+    add_option(g, "--mm-fetch-read-timeout", type=float, default=10.0, help="one read of a media response, seconds")
+    add_option(g, "--mm-max-redirects", type=int, default=3, minimum=0, help="redirect hops a media fetch may follow")
+    for modality, env, cap in (("image", ENV_IMAGE_MAX_BYTES, DEFAULT_IMAGE_MAX_BYTES),
+                               ("video", ENV_VIDEO_MAX_BYTES, DEFAULT_VIDEO_MAX_BYTES),
+                               ("audio", ENV_AUDIO_MAX_BYTES, DEFAULT_AUDIO_MAX_BYTES)):
+        add_option(g, f"--{modality}-max-input-bytes", type=int, default=cap, env=(env,), minimum=1,
+                   help=f"largest {modality} item in bytes, fetched or data: URL")
+    add_option(g, "--mm-image-max-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS, minimum=1,
+               help="refuse images whose header declares more pixels (decompression bombs)")
+    add_option(g, "--mm-image-apply-exif-orientation", action="store_true", default=False,
+               help="apply the EXIF orientation tag before preprocessing (the reference processors do not)")
+
+
+def fetch_settings(ns: argparse.Namespace) -> FetchSettings:
+    """The :class:`FetchSettings` of a namespace parsed with :func:`add_media_options` and resolved.
+
+    Raises:
+        SystemExit: a fetch timeout that is not positive.
+    """
+    fetch = FetchSettings(
+        allowed_domains=tuple(d.strip().strip(".").lower() for d in ns.mm_allowed_media_domains if d.strip(". ")),
+        allow_private_hosts=bool(ns.mm_allow_private_media_hosts),
+        connect_timeout_s=ns.mm_fetch_connect_timeout, read_timeout_s=ns.mm_fetch_read_timeout,
+        total_timeout_s=ns.mm_fetch_timeout, max_redirects=ns.mm_max_redirects,
+        image_max_bytes=ns.image_max_input_bytes, video_max_bytes=ns.video_max_input_bytes,
+        audio_max_bytes=ns.audio_max_input_bytes, max_image_pixels=ns.mm_image_max_pixels,
+        image_apply_exif_orientation=bool(ns.mm_image_apply_exif_orientation),
+    )
+    if min(fetch.connect_timeout_s, fetch.read_timeout_s, fetch.total_timeout_s) <= 0:
+        raise SystemExit("--mm-fetch-timeout, --mm-fetch-connect-timeout and --mm-fetch-read-timeout must be positive")
+    return fetch
+
+
+def item_limits(ns: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, int]:
+    """Per-modality item limits: ``--mm-limit``, else ``--mm-per-request-image-limit`` (images),
+    else ``SMG_IMAGE_MAX_COUNT`` / ``SMG_VIDEO_MAX_COUNT`` / ``SMG_AUDIO_MAX_COUNT`` (as smg reads them).
+
+    Raises:
+        SystemExit: an unreadable count (the message names the flag or the variable).
+    """
+    limits: dict[str, int] = {}
+    for modality, name in ENV_MAX_COUNT.items():
+        raw = environ.get(name, "").strip()
+        if raw:
+            if not raw.isdigit():
+                raise SystemExit(f"unreadable {name}={raw!r}: expected a count (0 or more)")
+            limits[modality] = int(raw)
+    if ns.mm_per_request_image_limit is not None:
+        limits["image"] = ns.mm_per_request_image_limit
+    limits.update(_parse_limits(ns.mm_limit))
+    return limits
+
+
+def add_video_options(parser: argparse.ArgumentParser) -> None:
+    """The video-decode option group, one definition for ``mmgate serve``, ``engine`` and ``sidecar``
+    (docs/video.md, "Limits"); read back with :func:`video_settings`."""
+    g = parser.add_argument_group(GROUP_VIDEO)
+    add_option(g, "--video-max-decoded-pixels", type=int, default=DEFAULT_VIDEO_MAX_DECODED_PIXELS, minimum=1,
+               help="per request: sampled video frames x height x width, checked before decoding")
+    add_option(g, "--video-decode-timeout", type=float, default=DEFAULT_VIDEO_DECODE_TIMEOUT_S,
+               env=(ENV_VIDEO_DECODE_TIMEOUT,), help="wall-clock limit of decoding one clip, seconds")
+    add_option(g, "--video-apply-rotation", action=argparse.BooleanOptionalAction, default=True,
+               env=(ENV_VIDEO_APPLY_ROTATION,),
+               help="turn rotated clips upright by their display matrix, as ffmpeg/OpenCV; "
+                    "--no-video-apply-rotation: the stored orientation, as the transformers pyav loader")
+
+
+def video_settings(ns: argparse.Namespace) -> VideoSettings:
+    """The :class:`VideoSettings` of a namespace parsed with :func:`add_video_options` and resolved.
+
+    Raises:
+        SystemExit: a decode timeout that is not positive.
+    """
+    if ns.video_decode_timeout <= 0:
+        raise SystemExit("--video-decode-timeout must be positive")
+    return VideoSettings(max_decoded_pixels=ns.video_max_decoded_pixels, decode_timeout_s=ns.video_decode_timeout,
+                         apply_rotation=bool(ns.video_apply_rotation))
+
+
 @dataclass(frozen=True, slots=True)
 class HttpSettings:
     """Limits of the HTTP server itself (``mmgate.api.server``; docs/limits.md, "HTTP connection")."""
@@ -106,6 +223,11 @@ class TensorTransport(StrEnum):
 ENV_TENSOR_TRANSPORT = "SMG_MM_TENSOR_TRANSPORT"
 ENV_SHM_MIN_BYTES = "SMG_MM_SHM_MIN_BYTES"
 ENV_ENCODER_DTYPE = "MMGATE_MM_ENCODER_DTYPE"
+ENV_TENSOR_TRANSPORT_LEGACY = "SMG_TOKENSPEED_MM_TENSOR_TRANSPORT"  # smg's legacy spelling (deprecated there too)
+ENV_SHM_MIN_BYTES_LEGACY = "SMG_TOKENSPEED_MM_SHM_MIN_BYTES"
+ENV_VLLM_ENCODER_DTYPE = "SMG_VLLM_ENCODER_INPUT_DTYPE"  # smg: wire dtype of encoder inputs sent to vLLM workers
+ENV_PIXEL_CACHE_MB = "SMG_MM_PIXEL_CACHE_MB"  # deprecated in smg (replaced by --mm-pixel-cache-mb)
+ENCODER_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,30 +242,13 @@ class TransportSettings:
     pixel_cache_bytes: int = 0  # 0: off
 
 
-def _transport_settings(ns: argparse.Namespace, environ: Mapping[str, str]) -> TransportSettings:
-    mode = ns.multimodal_tensor_transport or environ.get(ENV_TENSOR_TRANSPORT) or TensorTransport.INLINE.value
-    try:
-        transport = TensorTransport(mode)
-    except ValueError:
-        raise SystemExit(f"unreadable tensor transport {mode!r} (inline, shm or auto)") from None
-    min_bytes = ns.multimodal_shm_min_bytes
-    if min_bytes is None:
-        try:
-            min_bytes = int(environ.get(ENV_SHM_MIN_BYTES, "65536"))
-        except ValueError:
-            raise SystemExit(f"{ENV_SHM_MIN_BYTES} must be an integer") from None
-    if min_bytes < 0:
-        raise SystemExit("--multimodal-shm-min-bytes must be 0 or more")
-    dtype = ns.multimodal_encoder_dtype or environ.get(ENV_ENCODER_DTYPE) or "auto"
-    if dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise SystemExit(f"unreadable encoder dtype {dtype!r}")
-    budget = ns.multimodal_max_inflight_bytes
-    if budget is not None and budget <= 0:
-        raise SystemExit("--multimodal-max-inflight-bytes must be positive (leave it unset for no bound)")
-    if ns.mm_pixel_cache_mb < 0:
-        raise SystemExit("--mm-pixel-cache-mb must be 0 or more")
-    return TransportSettings(tensor_transport=transport, shm_min_bytes=min_bytes, encoder_dtype=dtype,
-                             max_inflight_bytes=budget, pixel_cache_bytes=int(ns.mm_pixel_cache_mb * 1024 * 1024))
+def _transport_settings(ns: argparse.Namespace) -> TransportSettings:
+    """The :class:`TransportSettings` of a resolved ``mmgate serve`` namespace (bounds checked by
+    :func:`mmgate.options.resolve`)."""
+    return TransportSettings(tensor_transport=TensorTransport(ns.multimodal_tensor_transport),
+                             shm_min_bytes=ns.multimodal_shm_min_bytes, encoder_dtype=ns.multimodal_encoder_dtype,
+                             max_inflight_bytes=ns.multimodal_max_inflight_bytes,
+                             pixel_cache_bytes=int(ns.mm_pixel_cache_mb * 1024 * 1024))
 
 
 class MmProcessing(StrEnum):
@@ -163,17 +268,7 @@ class MmProcessing(StrEnum):
 ENV_MM_PROCESSING = "SMG_MM_PROCESSING"  # deprecated spelling of --mm-processing
 
 
-def _mm_processing(flag: str | None, environ: Mapping[str, str]) -> MmProcessing:
-    """``--mm-processing``, else the deprecated ``SMG_MM_PROCESSING`` (with a warning), else auto."""
-    value = flag
-    if value is None and environ.get(ENV_MM_PROCESSING):
-        value = environ[ENV_MM_PROCESSING].strip().lower()
-        logging.getLogger("mmgate.settings").warning(
-            "%s is deprecated; use --mm-processing %s", ENV_MM_PROCESSING, value)
-    try:
-        return MmProcessing(value or MmProcessing.AUTO.value)
-    except ValueError:
-        raise SystemExit(f"unreadable mm processing mode {value!r} (router, worker or auto)") from None
+ENV_LOG_MM_TIMING = "SMG_LOG_MM_TIMING"  # deprecated spelling of --log-mm-timing
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +294,7 @@ class Settings:
     preprocess_threads: int = 0  # 0: os.cpu_count()
     max_request_body_bytes: int = 0  # 0: derived from the per-item byte caps (api.app.body_limit_for)
     log_level: str = "info"
+    log_mm_timing: bool = False  # one smg_mm_timing INFO line per media request (mmgate.timing_log)
     worker_health_interval_s: float = 5.0  # seconds between worker health probes (routing.workers.HealthPolicy)
     worker_health_timeout_s: float = 2.0  # deadline of one health probe RPC
     worker_unhealthy_after: int = 3  # consecutive failed probes (busy timeouts excluded) before a worker is unhealthy
@@ -206,30 +302,11 @@ class Settings:
     malloc_mmap_threshold: int = 0  # bytes: fixed glibc M_MMAP_THRESHOLD; 0: glibc's dynamic default
 
 
-def _env_bool(value: str | None) -> bool:
-    return value is not None and value.strip().lower() in {"1", "true", "yes", "on"}
-
-
 def split_search_path(value: str | None) -> tuple[Path, ...]:
     """Split an ``os.pathsep``-separated list of folders."""
     if not value:
         return ()
     return tuple(Path(p) for p in value.split(os.pathsep) if p)
-
-
-def _byte_cap(flag: int | None, environ: Mapping[str, str], env_name: str, default: int) -> int:
-    """A per-modality byte cap: the flag, else the environment variable, else ``default``."""
-    value = flag
-    if value is None and environ.get(env_name):
-        try:
-            value = int(environ[env_name])
-        except ValueError:
-            raise SystemExit(f"{env_name} must be an integer") from None
-    if value is None:
-        return default
-    if value <= 0:
-        raise SystemExit(f"{env_name} (or its flag) must be a positive number of bytes")
-    return value
 
 
 def _parse_limits(values: Sequence[str]) -> dict[str, int]:
@@ -255,76 +332,74 @@ def _mmap_threshold(value: int) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mmgate serve", description="Run the mmgate OpenAI-compatible gateway.")
-    p.add_argument("--model", required=True, help="model bundle: a folder, or org/name found on the model search path")
-    p.add_argument("--model-path", default=None, help=f"search path of bundle folders (env {ENV_MODEL_PATH})")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--worker-urls", nargs="*", default=[], help="grpc://HOST:PORT of engine workers")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--image-backend", choices=[b.value for b in ImageBackend], default=None,
-                   help=f"reference backend to be exact to (env {ENV_IMAGE_BACKEND}; default auto)")
-    p.add_argument("--mm-limit", action="append", default=[], metavar="MODALITY=COUNT",
-                   help="per-request item limit override, e.g. image=4")
-    p.add_argument("--default-max-tokens", type=int, default=64)
-    p.add_argument("--max-model-len", type=int, default=0,
-                   help="context length in tokens (prompt + completion); 0: the bundle's max_position_embeddings")
-    p.add_argument("--mm-allowed-media-domains", nargs="*", default=[])
-    p.add_argument("--mm-allow-private-media-hosts", action="store_true", default=None,
-                   help=f"allow loopback/private media hosts (env {ENV_ALLOW_PRIVATE}); for trusted setups and tests")
-    p.add_argument("--mm-fetch-timeout", type=float, default=20.0, help="total fetch timeout, seconds")
-    p.add_argument("--mm-fetch-connect-timeout", type=float, default=5.0, help="connect timeout, seconds")
-    p.add_argument("--mm-fetch-read-timeout", type=float, default=10.0, help="timeout of one read, seconds")
-    p.add_argument("--mm-max-redirects", type=int, default=3, help="redirect hops a media fetch may follow")
-    p.add_argument("--image-max-input-bytes", type=int, default=None, help=f"env {ENV_IMAGE_MAX_BYTES}")
-    p.add_argument("--video-max-input-bytes", type=int, default=None, help=f"env {ENV_VIDEO_MAX_BYTES}")
-    p.add_argument("--video-max-decoded-pixels", type=int, default=DEFAULT_VIDEO_MAX_DECODED_PIXELS,
-                   help="per request: sampled video frames x height x width, checked before decoding")
-    p.add_argument("--video-decode-timeout", type=float, default=DEFAULT_VIDEO_DECODE_TIMEOUT_S,
-                   help="wall-clock limit of decoding one clip, seconds")
-    p.add_argument("--video-apply-rotation", action=argparse.BooleanOptionalAction, default=None,
-                   help=f"turn rotated clips upright by their display matrix, as ffmpeg/OpenCV (env "
-                        f"{ENV_VIDEO_APPLY_ROTATION}; default on); --no-video-apply-rotation: the stored "
-                        "orientation, as the transformers pyav loader")
-    p.add_argument("--audio-max-input-bytes", type=int, default=None, help=f"env {ENV_AUDIO_MAX_BYTES}")
-    p.add_argument("--mm-image-max-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
-                   help="refuse images whose header declares more pixels (decompression bombs)")
-    p.add_argument("--mm-image-apply-exif-orientation", action="store_true",
-                   help="apply the EXIF orientation tag before preprocessing (the reference processors do not)")
-    p.add_argument("--multimodal-tensor-transport", choices=[t.value for t in TensorTransport], default=None,
-                   help=f"encoder tensor transport (env {ENV_TENSOR_TRANSPORT}; default inline)")
-    p.add_argument("--multimodal-shm-min-bytes", type=int, default=None,
-                   help=f"smallest tensor sent through shared memory (env {ENV_SHM_MIN_BYTES}; default 65536)")
-    p.add_argument("--multimodal-encoder-dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
-                   help=f"wire dtype of float encoder inputs (env {ENV_ENCODER_DTYPE}); auto follows the worker label")
-    p.add_argument("--multimodal-max-inflight-bytes", type=int, default=None,
-                   help="bound on preprocessed bytes held for engines (unset: unbounded; 0 is refused)")
-    p.add_argument("--mm-pixel-cache-mb", type=float, default=0.0, help="preprocessed-item LRU cache size (0: off)")
-    p.add_argument("--mm-processing", choices=[m.value for m in MmProcessing], default=None,
-                   help=f"where media is processed: router, worker or auto (default; env {ENV_MM_PROCESSING}, deprecated)")
-    p.add_argument("--mm-processing-models", nargs="*", default=None, metavar="MODEL",
-                   help="models opted in to worker-side processing (served or bundle name); unset: every model")
-    p.add_argument("--max-request-body-bytes", type=int, default=0,
-                   help="413 request_too_large past this body size (0: largest per-item cap in base64 + 1 MiB)")
-    p.add_argument("--http-header-timeout", type=float, default=_HTTP_DEFAULTS.header_timeout_s,
-                   help="seconds for a request's line and headers to arrive; past it 408 request_timeout and close")
-    p.add_argument("--http-body-timeout", type=float, default=_HTTP_DEFAULTS.body_timeout_s,
-                   help="seconds for a whole request body to arrive; past it 408 request_timeout and close")
-    p.add_argument("--http-body-idle-timeout", type=float, default=_HTTP_DEFAULTS.body_idle_timeout_s,
-                   help="seconds between two chunks of a request body; past it 408 request_timeout and close")
-    p.add_argument("--max-connections", type=int, default=_HTTP_DEFAULTS.max_connections,
-                   help="open HTTP connections served; a request on one past it gets 503 server_busy")
-    p.add_argument("--preprocess-threads", type=int, default=0)
-    p.add_argument("--worker-health-interval", type=float, default=5.0, help="seconds between worker health probes")
-    p.add_argument("--worker-health-timeout", type=float, default=2.0, help="deadline of one health probe, seconds")
-    p.add_argument("--worker-unhealthy-after", type=int, default=3,
-                   help="consecutive failed probes before a worker is unhealthy (nothing listening: at once; "
-                        "a timeout while the worker is busy does not count)")
-    p.add_argument("--memory-trim-min-bytes", type=int, default=8 * 1024 * 1024,
-                   help="after a request holding this many encoder bytes, malloc_trim once the gateway is idle (0: off)")
-    p.add_argument("--malloc-mmap-threshold", type=int, default=0,
-                   help="fixed glibc M_MMAP_THRESHOLD in bytes, up to 32 MiB (0: glibc's dynamic default)")
-    p.add_argument("--log-level", default="info")
+    """The ``mmgate serve`` parser, its options grouped by topic (``--help``; docs/configuration.md)."""
+    p = argparse.ArgumentParser(prog="mmgate serve", description="Run the mmgate OpenAI-compatible gateway "
+                                "(every option with its default and environment variable: docs/configuration.md).")
+    g = p.add_argument_group("model and server")
+    add_option(g, "--model", required=True, help="model bundle: a folder, or org/name found on the model search path")
+    add_option(g, "--model-path", env=(ENV_MODEL_PATH,), metavar="DIRS",
+               help="search path of bundle folders, os.pathsep-separated")
+    add_option(g, "--served-model-name", help="model name clients send and /v1/models lists (default: --model)")
+    add_option(g, "--host", default="127.0.0.1", help="address the HTTP server listens on")
+    add_option(g, "--port", type=int, default=30000, minimum=0, help="port the HTTP server listens on")
+    add_option(g, "--default-max-tokens", type=int, default=64, help="completion budget when a request sets none")
+    add_option(g, "--max-model-len", type=int, default=0,
+               help="context length in tokens (prompt + completion); 0: the bundle's max_position_embeddings")
+    add_media_options(p)
+    add_video_options(p)
+    g = p.add_argument_group("tensor transport")
+    add_option(g, "--multimodal-tensor-transport", choices=[t.value for t in TensorTransport],
+               default=TensorTransport.INLINE.value, env=(ENV_TENSOR_TRANSPORT, ENV_TENSOR_TRANSPORT_LEGACY),
+               deprecated=(ENV_TENSOR_TRANSPORT_LEGACY,),
+               help="how encoder tensors travel: inline, shm, or auto (shm when the worker shares /dev/shm)")
+    add_option(g, "--multimodal-shm-min-bytes", type=int, default=65536, minimum=0,
+               env=(ENV_SHM_MIN_BYTES, ENV_SHM_MIN_BYTES_LEGACY), deprecated=(ENV_SHM_MIN_BYTES_LEGACY,),
+               help="smallest tensor sent through shared memory, bytes")
+    add_option(g, "--multimodal-encoder-dtype", choices=["auto", *ENCODER_DTYPES], default="auto",
+               env=(ENV_ENCODER_DTYPE, ENV_VLLM_ENCODER_DTYPE),
+               help="wire dtype of float encoder inputs; auto: the worker's multimodal_encoder_dtype label, else float32")
+    add_option(g, "--multimodal-max-inflight-bytes", type=int, default=None, minimum=1,
+               help="bound on preprocessed bytes held for engines: 429 past it, 413 above it (unset: unbounded)")
+    add_option(g, "--mm-pixel-cache-mb", type=float, default=0.0, minimum=0, env=(ENV_PIXEL_CACHE_MB,),
+               deprecated=(ENV_PIXEL_CACHE_MB,), help="preprocessed-item LRU cache size, MiB (0: off)")
+    g = p.add_argument_group("processing mode")
+    add_option(g, "--mm-processing", choices=[m.value for m in MmProcessing], default=MmProcessing.AUTO.value,
+               env=(ENV_MM_PROCESSING,), deprecated=(ENV_MM_PROCESSING,),
+               help="where media is processed: router, worker, or auto (worker when every worker of the model can)")
+    add_option(g, "--mm-processing-models", nargs="*", default=None, metavar="MODEL",
+               help="models opted in to worker-side processing (served or bundle name); unset: every model")
+    add_option(g, "--preprocess-threads", type=int, default=0, minimum=0,
+               help="threads preprocessing media in the gateway (0: os.cpu_count())")
+    g = p.add_argument_group("workers")
+    add_option(g, "--worker-urls", nargs="*", default=[], metavar="URL", help="grpc://HOST:PORT of engine workers")
+    add_option(g, "--worker-health-interval", type=float, default=5.0, help="seconds between worker health probes")
+    add_option(g, "--worker-health-timeout", type=float, default=2.0, help="deadline of one health probe, seconds")
+    add_option(g, "--worker-unhealthy-after", type=int, default=3,
+               help="consecutive failed probes before a worker is unhealthy (nothing listening: at once; "
+                    "a timeout while the worker is busy does not count)")
+    g = p.add_argument_group("HTTP limits")
+    add_option(g, "--max-request-body-bytes", type=int, default=0,
+               help="413 request_too_large past this body size (0: largest per-item cap in base64 + 1 MiB)")
+    add_option(g, "--http-header-timeout", type=float, default=_HTTP_DEFAULTS.header_timeout_s,
+               help="seconds for a request's line and headers to arrive; past it 408 request_timeout and close")
+    add_option(g, "--http-body-timeout", type=float, default=_HTTP_DEFAULTS.body_timeout_s,
+               help="seconds for a whole request body to arrive; past it 408 request_timeout and close")
+    add_option(g, "--http-body-idle-timeout", type=float, default=_HTTP_DEFAULTS.body_idle_timeout_s,
+               help="seconds between two chunks of a request body; past it 408 request_timeout and close")
+    add_option(g, "--max-connections", type=int, default=_HTTP_DEFAULTS.max_connections,
+               help="open HTTP connections served; a request on one past it gets 503 server_busy")
+    g = p.add_argument_group("memory")
+    add_option(g, "--memory-trim-min-bytes", type=int, default=8 * 1024 * 1024,
+               help="after a request holding this many encoder bytes, malloc_trim once the gateway is idle (0: off)")
+    add_option(g, "--malloc-mmap-threshold", type=int, default=0,
+               help="fixed glibc M_MMAP_THRESHOLD in bytes, up to 32 MiB (0: glibc's dynamic default)")
+    g = p.add_argument_group("logging and metrics")
+    add_option(g, "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
+               type=str.lower, help="log level of the gateway's loggers")
+    add_option(g, "--log-mm-timing", action="store_true", default=False, env=(ENV_LOG_MM_TIMING,),
+               deprecated=(ENV_LOG_MM_TIMING,),
+               help="log one smg_mm_timing line per media request, plus video decode and tensor transport "
+                    "events, at INFO (docs/metrics.md)")
     return p
 
 
@@ -334,65 +409,33 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
     Raises:
         SystemExit: an unreadable flag or environment value (start-up stops).
     """
-    ns = build_parser().parse_args(list(argv))
-    backend = ns.image_backend or environ.get(ENV_IMAGE_BACKEND) or ImageBackend.AUTO.value
-    try:
-        image_backend = ImageBackend(backend)
-    except ValueError:
-        raise SystemExit(f"unreadable image backend {backend!r}") from None
-    allow_private = ns.mm_allow_private_media_hosts
-    if allow_private is None:
-        allow_private = _env_bool(environ.get(ENV_ALLOW_PRIVATE))
-    fetch = FetchSettings(
-        allowed_domains=tuple(d.strip().strip(".").lower() for d in ns.mm_allowed_media_domains if d.strip(". ")),
-        allow_private_hosts=allow_private,
-        connect_timeout_s=ns.mm_fetch_connect_timeout,
-        read_timeout_s=ns.mm_fetch_read_timeout,
-        total_timeout_s=ns.mm_fetch_timeout,
-        max_redirects=ns.mm_max_redirects,
-        image_max_bytes=_byte_cap(ns.image_max_input_bytes, environ, ENV_IMAGE_MAX_BYTES, DEFAULT_IMAGE_MAX_BYTES),
-        video_max_bytes=_byte_cap(ns.video_max_input_bytes, environ, ENV_VIDEO_MAX_BYTES, DEFAULT_VIDEO_MAX_BYTES),
-        audio_max_bytes=_byte_cap(ns.audio_max_input_bytes, environ, ENV_AUDIO_MAX_BYTES, DEFAULT_AUDIO_MAX_BYTES),
-        max_image_pixels=ns.mm_image_max_pixels,
-        image_apply_exif_orientation=ns.mm_image_apply_exif_orientation,
-    )
-    for name, value in (("fetch timeouts", min(fetch.connect_timeout_s, fetch.read_timeout_s, fetch.total_timeout_s)),
-                        ("--mm-image-max-pixels", fetch.max_image_pixels)):
-        if value <= 0:
-            raise SystemExit(f"{name} must be positive")
-    if fetch.max_redirects < 0:
-        raise SystemExit("--mm-max-redirects must be 0 or more")
-    apply_rotation = ns.video_apply_rotation
-    if apply_rotation is None:
-        apply_rotation = _env_bool(environ.get(ENV_VIDEO_APPLY_ROTATION, "1"))
-    video = VideoSettings(max_decoded_pixels=ns.video_max_decoded_pixels, decode_timeout_s=ns.video_decode_timeout,
-                          apply_rotation=apply_rotation)
-    if video.max_decoded_pixels <= 0 or video.decode_timeout_s <= 0:
-        raise SystemExit("--video-max-decoded-pixels and --video-decode-timeout must be positive")
+    parser = build_parser()
+    ns = resolve(parser, parser.parse_args(list(argv)), environ)
     http = HttpSettings(header_timeout_s=ns.http_header_timeout, body_idle_timeout_s=ns.http_body_idle_timeout,
                         body_timeout_s=ns.http_body_timeout, max_connections=ns.max_connections)
     if min(http.header_timeout_s, http.body_idle_timeout_s, http.body_timeout_s, http.max_connections) <= 0:
         raise SystemExit("--http-*-timeout and --max-connections must be positive")
     return Settings(
         model=ns.model,
-        model_search_path=split_search_path(ns.model_path or environ.get(ENV_MODEL_PATH)),
+        model_search_path=split_search_path(ns.model_path),
         served_model_name=ns.served_model_name,
         worker_urls=tuple(ns.worker_urls),
         host=ns.host,
         port=ns.port,
-        image_backend=image_backend,
-        item_limits=_parse_limits(ns.mm_limit),
+        image_backend=ImageBackend(ns.image_backend),
+        item_limits=item_limits(ns, environ),
         default_max_tokens=ns.default_max_tokens,
         max_model_len=max(0, ns.max_model_len),
-        fetch=fetch,
-        video=video,
-        transport=_transport_settings(ns, environ),
+        fetch=fetch_settings(ns),
+        video=video_settings(ns),
+        transport=_transport_settings(ns),
         http=http,
-        mm_processing=_mm_processing(ns.mm_processing, environ),
+        mm_processing=MmProcessing(ns.mm_processing),
         mm_processing_models=None if ns.mm_processing_models is None else tuple(ns.mm_processing_models),
         preprocess_threads=ns.preprocess_threads,
         max_request_body_bytes=max(0, ns.max_request_body_bytes),
         log_level=ns.log_level,
+        log_mm_timing=bool(ns.log_mm_timing),
         worker_health_interval_s=_positive(ns.worker_health_interval, "--worker-health-interval"),
         worker_health_timeout_s=_positive(ns.worker_health_timeout, "--worker-health-timeout"),
         worker_unhealthy_after=int(_positive(ns.worker_unhealthy_after, "--worker-unhealthy-after")),

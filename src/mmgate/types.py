@@ -259,6 +259,30 @@ class EncoderBatch:
         return sum(int(a.nbytes) for a in self.tensors.values())
 
 
+class ConstraintKind(StrEnum):
+    """What a :class:`Constraint` holds: the cases of the wire's ``SamplingParams.constraint`` oneof
+    (``smg_grpc_proto`` ``vllm_engine.proto``), named as there."""
+
+    JSON_SCHEMA = "json_schema"  # value: the schema as JSON text
+    REGEX = "regex"  # value: a regular expression the whole output must match
+    GRAMMAR = "grammar"  # value: an EBNF grammar (GBNF, as xgrammar and llama.cpp read it)
+    JSON_OBJECT = "json_object"  # value: "" (any JSON object)
+    CHOICE = "choice"  # value: the choices as a JSON array of strings
+    STRUCTURAL_TAG = "structural_tag"  # value: the structural-tag JSON text
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """A structured-output constraint on the generated text (at most one per request).
+
+    Mirrors vLLM ``StructuredOutputsParams`` (``vllm/sampling_params.py``), one
+    field set; ``value`` is text exactly as the wire carries it (see :class:`ConstraintKind`).
+    """
+
+    kind: ConstraintKind
+    value: str
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """OpenAI sampling fields the gateway forwards to engines."""
@@ -273,6 +297,17 @@ class SamplingParams:
     ignore_eos: bool = False
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # sampling extras, n and logprobs (H-C1), as vLLM ``SamplingParams`` names them
+    n: int = 1  # choices generated from the one prompt
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    min_tokens: int = 0  # stop tokens and strings are held off until this many tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's and the top k
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    constraint: Constraint | None = None  # structured output (response_format, guided_*, tool_choice)
 
 
 @dataclass(frozen=True, slots=True)

@@ -105,6 +105,24 @@ def test_huge_text_is_refused_before_tokenizing_without_blocking(stack: Stack) -
     after_attack(stack, watch, statuses, shm_before, idle_rss_mb=idle, rss_settle_s=15)
 
 
+def test_text_under_the_character_bound_is_refused_by_a_bounded_count(stack: Stack) -> None:
+    """8 MB of words: under the character bound (16.7 M characters for Qwen2-VL) but far over the
+    context; counted piecewise (a megabyte at a time, stopping past the limit), so neither the loop nor
+    the memory holds the whole encoding."""
+    shm_before = shm_segments()
+    idle = rss_mb(stack.gateway.proc.pid)
+    text = " ".join(f"word{i % 977}" for i in range(1_000_000))
+    statuses = []
+    with HealthWatch(stack.base) as watch:
+        start = time.perf_counter()
+        r = _post(stack.base, chat_body(stack.model, text), timeout=120)
+        statuses.append(r.status_code)
+        assert r.status_code == 400, r.text[:300]
+        assert r.headers["X-SMG-Error-Code"] == "context_length_exceeded"
+        assert time.perf_counter() - start < 20
+    after_attack(stack, watch, statuses, shm_before, idle_rss_mb=idle, rss_settle_s=15)
+
+
 def test_many_small_messages_do_not_stall_other_requests(stack: Stack) -> None:
     """100,000 small messages are rendered and tokenized off the event loop, then refused by their
     exact token count."""

@@ -142,9 +142,9 @@ def test_pixel_rows_disagreeing_with_patches_per_image_are_invalid_argument(
 def test_unsupported_sampling_features_are_refused(qwen2_vl_engine: RunningEngine) -> None:
     stub = stub_for(qwen2_vl_engine.address)
     with pytest.raises(grpc.RpcError) as info:
-        _complete(stub, generate_request([9707, 11, 1879], n=2))
+        _complete(stub, generate_request([9707, 11, 1879], prompt_logprobs=1))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "n > 1" in info.value.details()
+    assert "prompt_logprobs" in info.value.details()
 
 
 def test_a_text_only_request_to_a_vision_model_generates(qwen2_vl_engine: RunningEngine) -> None:

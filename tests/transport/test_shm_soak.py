@@ -56,8 +56,8 @@ def _one(base: str, i: int) -> str:
     kind = i % 5
     url = base + "/v1/chat/completions"
     try:
-        if kind == 0:  # the engine refuses (the reference engine takes no frequency penalty)
-            r = httpx.post(url, json={**body, "frequency_penalty": 0.5}, timeout=60)
+        if kind == 0:  # the engine refuses (a logit_bias token id outside the model's vocabulary)
+            r = httpx.post(url, json={**body, "logit_bias": {"99999999": 1.0}}, timeout=60)
             return f"engine_error:{r.status_code}:{r.headers.get('X-SMG-Error-Code')}"
         if kind == 1:  # stream, client goes away after the first event
             with httpx.stream("POST", url, json={**body, "stream": True, "max_tokens": 12, "ignore_eos": True},
@@ -93,6 +93,6 @@ def test_no_segment_left_after_200_requests_with_disconnects_and_engine_errors(s
         time.sleep(0.2)
     assert segments() - before == set()
     metrics = httpx.get(base + "/metrics", timeout=10).text
-    shm_line = next(ln for ln in metrics.splitlines() if ln.startswith('smg_mm_tensors_total{engine="vllm",path="shm"}'))
+    shm_line = next(ln for ln in metrics.splitlines() if ln.startswith('smg_mm_tensors_total{path="shm",runtime="vllm"}'))
     assert float(shm_line.split()[-1]) >= 3 * 160  # every request that reached assembly sent its 3 tensors by shm
     assert httpx.get(base + "/health", timeout=10).status_code == 200

@@ -172,8 +172,8 @@ def test_cache_hit_equals_miss_bit_for_bit_and_is_counted(worker: FakeWorker) ->
         line = next((ln for ln in text.splitlines() if ln.startswith(name + '{modality="image"}')), None)
         return float(line.split()[-1]) if line else 0.0
 
-    assert count(after, "smg_mm_pixel_cache_hits_total") - count(before, "smg_mm_pixel_cache_hits_total") == 2
-    assert count(after, "smg_mm_pixel_cache_misses_total") - count(before, "smg_mm_pixel_cache_misses_total") == 2
+    assert count(after, "mmgate_mm_pixel_cache_hits_total") - count(before, "mmgate_mm_pixel_cache_hits_total") == 2
+    assert count(after, "mmgate_mm_pixel_cache_misses_total") - count(before, "mmgate_mm_pixel_cache_misses_total") == 2
 
 
 def test_two_parts_naming_one_url_are_fetched_once(worker: FakeWorker) -> None:

@@ -123,7 +123,7 @@ def test_the_engines_deadline_travels_with_the_job(live: Stack, media: Origin) -
     assert time.monotonic() - start < 1.5
     # The sidecar cut the job at the engine's deadline and said so (the engine logs why it gave up).
     wait_for(lambda: "deadline_exceeded: processing passed the job's deadline (0.6 s)"
-             in live.redis_engine.log_tail(20_000), 5, "the sidecar's deadline answer")
+             in live.redis_engine.log_tail(20_000), 20, "the sidecar's deadline answer")
     assert media.hits["/slow/deadline.png"] == 1
 
 

@@ -15,14 +15,16 @@ references (:func:`mmgate.api.worker_mode.forward_media_refs`).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
+import uuid
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mmgate import metrics
+from mmgate import metrics, timing_log
 from mmgate.api.protocol import ChatCompletionRequest
 from mmgate.engines.vllm import ENGINE, encode_generate_request
 from mmgate.routing.mm_processing import Mode, decide_request
@@ -76,14 +78,42 @@ def timing_header(timings: dict[str, float]) -> str:
 async def start_chat(state: GatewayState, req: ChatCompletionRequest) -> EngineAnswer:
     """Run ``req`` up to the engine's first response (router or worker mode, as decided for it).
 
+    Observes ``mmgate_time_to_first_token_seconds`` (streamed requests) and the ``engine_first_response``
+    stage; with ``--log-mm-timing`` a media request's events and its ``smg_mm_timing`` line are written
+    (:mod:`mmgate.timing_log`).
+
     Raises:
         GatewayError: any refusal of the pipeline, the worker selection or the engine.
     """
+    started = time.perf_counter()
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    with timing_log.request_scope(state.settings.log_mm_timing, request_id, state.runtime.served_name) as record:
+        answer = await _start(state, req, request_id, record)
+    first_s = answer.prepared.timings_ms.get("engine_first_response", 0.0) / 1000.0
+    metrics.STAGE_SECONDS.labels("engine_first_response").observe(first_s)
+    if req.stream:
+        metrics.TTFT_SECONDS.labels(state.runtime.served_name).observe(time.perf_counter() - started)
+    return answer
+
+
+def _router_counts(prepared: PreparedRequest) -> tuple[timing_log.MediaCounts, int]:
+    """Items per modality of a router-mode request, and its prompt length before expansion: each item's
+    anchor (one token) became its placeholder run, which its range spans in every registered family
+    (``Replacement.embed_offset == 0``, ``embed_length == len(token_ids)``)."""
+    items = {m: sum(len(b.placeholders) for b in prepared.batches if b.modality is m) for m in Modality}
+    run = sum(r.length for b in prepared.batches for r in b.placeholders)
+    counts = timing_log.MediaCounts(images=items[Modality.IMAGE], videos=items[Modality.VIDEO],
+                                    audios=items[Modality.AUDIO])
+    return counts, len(prepared.input_ids) - run + counts.total
+
+
+async def _start(state: GatewayState, req: ChatCompletionRequest, request_id: str,
+                 record: timing_log.RequestTiming | None) -> EngineAnswer:
     from mmgate.api.worker_mode import forward_media_refs
 
     decision = decide_request(req, state.settings, state.runtime, state.workers.workers)
     if decision is not None and decision.mode is Mode.WORKER:
-        return await forward_media_refs(state, req)
+        return await forward_media_refs(state, req, request_id, record)
     chosen: list[tuple[Worker, WirePlan]] = []
 
     def choose_worker(modalities: frozenset[Modality]) -> bool:
@@ -92,7 +122,7 @@ async def start_chat(state: GatewayState, req: ChatCompletionRequest) -> EngineA
         chosen.append((worker, wire))
         return wire.device_normalize
 
-    prepared = await state.pipeline.prepare(req, choose_worker=choose_worker, defer_pixels=True)
+    prepared = await state.pipeline.prepare(req, request_id, choose_worker=choose_worker, defer_pixels=True)
     worker, wire = chosen[0]
     timings = prepared.timings_ms
     grant = await state.budget.acquire(sum(b.nbytes for b in prepared.batches))
@@ -102,8 +132,8 @@ async def start_chat(state: GatewayState, req: ChatCompletionRequest) -> EngineA
     try:
         with metrics.stage("assemble", timings):
             if _encode_is_heavy(prepared):
-                encoded = await asyncio.get_running_loop().run_in_executor(
-                    state.executor, encode_generate_request, prepared, wire, lease)
+                encoded = await asyncio.get_running_loop().run_in_executor(  # the context: timing events
+                    state.executor, contextvars.copy_context().run, encode_generate_request, prepared, wire, lease)
             else:
                 encoded = encode_generate_request(prepared, wire, lease)
         if encoded.pending:
@@ -133,5 +163,8 @@ async def start_chat(state: GatewayState, req: ChatCompletionRequest) -> EngineA
     # The engine has read every tensor before answering: free the segments and the budget now.
     lease.release()
     grant.release()
+    counts, original = _router_counts(prepared)
+    timing_log.request_done(record, mode=Mode.ROUTER.value, counts=counts, timings=timings,
+                            original_tokens=original, expanded_tokens=len(prepared.input_ids), handed_over=start)
     headers = {"X-Mmgate-Stage-Ms": timing_header(timings), "X-Request-Id": prepared.request_id}
     return EngineAnswer(prepared, first, responses, release, headers)

@@ -1,7 +1,8 @@
 """The HTTP layer: FastAPI app factory and the gateway's state.
 
 Routes: ``POST /v1/chat/completions`` (stream and non-stream, OpenAI shapes),
-``GET /v1/models``, ``GET /health``, ``GET /workers``, ``GET /metrics``.
+``GET /v1/models``, ``GET /health``, ``GET /workers``, ``GET /metrics``;
+``POST /v1/messages`` (Anthropic shapes, errors included) from :mod:`mmgate.api.anthropic`.
 All failures go through one handler that renders the error table
 (:mod:`mmgate.errors`): body ``{"error": {...}}`` plus ``X-SMG-Error-Code``;
 unexpected exceptions become 500 ``internal_error`` without a stack trace in
@@ -15,10 +16,11 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -26,8 +28,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 
 from mmgate import memory, metrics
+from mmgate.api.anthropic import register_anthropic
 from mmgate.api.answer import start_chat
 from mmgate.api.disconnect import until_disconnect
+from mmgate.api.openai_responses import register_responses
+from mmgate.api.output_parsing import output_parsing
 from mmgate.api.protocol import ChatCompletionRequest, parse_chat_request
 from mmgate.api.responses import respond
 from mmgate.budget import InflightBudget
@@ -44,6 +49,7 @@ from mmgate.settings import HttpSettings, Settings
 from mmgate.transport.shm import sweep_dead_segments
 
 log = logging.getLogger("mmgate.api")
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -155,6 +161,17 @@ async def read_body(request: Request, limit: int, http: HttpSettings = HttpSetti
     return bytes(chunks)
 
 
+#: bodies larger than this are parsed in the pool (depth scan + decode of a large body take seconds)
+_PARSE_ON_LOOP_BYTES = 1 << 20
+
+
+async def parse_off_loop(state: GatewayState, parse: Callable[[bytes], T], body: bytes) -> T:
+    """``parse(body)``: on the event loop for a small body, in the preprocessing pool for a large one."""
+    if len(body) <= _PARSE_ON_LOOP_BYTES:
+        return parse(body)
+    return await asyncio.get_running_loop().run_in_executor(state.executor, parse, body)
+
+
 def body_limit_for(settings: Settings) -> int:
     """Largest accepted body: every item at its byte cap as base64 would not fit anyway, so the bound is
     the largest per-item cap in base64 (4/3) plus 1 MiB of text, unless set explicitly."""
@@ -178,7 +195,10 @@ def create_app(state: GatewayState) -> FastAPI:
             state.executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="mmgate", lifespan=lifespan)
+    app.add_middleware(metrics.RequestTimer)  # mmgate_request_duration_seconds{endpoint,status}
     body_limit = body_limit_for(state.settings)
+    register_responses(app, state, body_limit)
+    register_anthropic(app, state, body_limit)
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
@@ -191,15 +211,23 @@ def create_app(state: GatewayState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = parse_chat_request(await read_body(request, body_limit, state.settings.http))
-        metrics.REQUESTS.labels(state.runtime.served_name, str(req.stream).lower()).inc()
-        return await until_disconnect(request, answer_chat(req))
+        body = await read_body(request, body_limit, state.settings.http)
+        # A large body (a huge prompt) leaves freed heap behind too: the idle trimmer returns it.
+        untrim = state.budget.trimmer.hold(len(body)) if state.budget.trimmer is not None else None
+        try:
+            req = await parse_off_loop(state, parse_chat_request, body)
+            metrics.REQUESTS.labels(state.runtime.served_name, str(req.stream).lower()).inc()
+            return await until_disconnect(request, answer_chat(req))
+        finally:
+            if untrim is not None:
+                untrim()
 
     async def answer_chat(req: ChatCompletionRequest) -> Response:
         answer = await start_chat(state, req)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await respond(answer.prepared, req.stream, include_usage, answer.first, answer.rest,
-                             state.runtime.tokenizer, answer.release, answer.headers)
+                             state.runtime.tokenizer, answer.release, answer.headers,
+                             parsing=output_parsing(req, state.runtime.bundle.chat_template))
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

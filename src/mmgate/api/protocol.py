@@ -3,9 +3,10 @@
 Stage: api.  In: the raw JSON body; out: a validated
 :class:`ChatCompletionRequest`.  Content parts are a tagged union on ``type``:
 ``text``, ``image_url``, ``video_url``, ``input_audio``; anything else is a
-400 ``invalid_request``.  Unknown top-level fields are ignored, as vLLM and
-SMG ignore them (they are skipped, never built, but still count towards the
-nesting bound).
+400 ``invalid_request``.  An unknown top-level field is refused with 400
+``invalid_request`` naming it in ``param`` (vLLM logs and drops such fields;
+issue 14: refused, never dropped); unknown fields inside messages and parts
+are skipped, never built, but still count towards the nesting bound.
 
 Invariants: every value that reaches an engine fits its field on the wire
 (``smg_grpc_proto`` ``vllm_engine.proto`` ``SamplingParams``) and the range
@@ -17,6 +18,7 @@ is decoded.  The ranges are listed in ``docs/limits.md`` ("Request content").
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -103,7 +105,66 @@ class StreamOptions(msgspec.Struct, frozen=True):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(msgspec.Struct, frozen=True):
+# ---- structured outputs and tools (H-C2; checked in mmgate.api.structured) ----------------------
+
+
+class JsonSchemaFormat(msgspec.Struct, frozen=True):
+    """``response_format.json_schema`` (vLLM ``JsonSchemaResponseFormat``; ``schema`` is the JSON schema)."""
+
+    name: str | None = None
+    schema: Any = None  # the JSON schema; must be a JSON object (checked)
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, frozen=True):
+    """``response_format``: ``{"type": "text" | "json_object" | "json_schema", "json_schema": ...}``."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct, frozen=True):
+    """vLLM's ``structured_outputs`` (``vllm/sampling_params.py`` ``StructuredOutputsParams``): one of them."""
+
+    json: Any = None  # a JSON schema (object, or its JSON text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+
+
+class FunctionDefinition(msgspec.Struct, frozen=True):
+    """``tools[i].function`` (OpenAI ``FunctionDefinition``)."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, frozen=True):
+    """``tools[i]``: ``{"type": "function", "function": {...}}``."""
+
+    function: FunctionDefinition
+    type: str = "function"
+
+
+class NamedFunction(msgspec.Struct, frozen=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, frozen=True):
+    """``tool_choice`` naming one function: ``{"type": "function", "function": {"name": ...}}``."""
+
+    function: NamedFunction
+    type: str = "function"
+
+
+class ChatCompletionRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The chat completions body; a field not declared here is refused (400 naming it), never dropped."""
+
     model: str
     messages: list[Message]
     stream: bool = False
@@ -121,6 +182,29 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True):
     ignore_eos: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    # structured outputs and tools (H-C2): at most one constraint; checked by mmgate.api.structured
+    response_format: ResponseFormat | None = None
+    guided_json: Any = None  # vLLM's guided fields: a JSON schema (object or its JSON text)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None  # "none" | "auto" | "required" | named function
+    parallel_tool_calls: bool | None = None
+    # sampling, n and logprobs (H-C1): vLLM ``ChatCompletionRequest`` "chat-completion-sampling-params";
+    # checked by _check_sampling / _check_more_sampling, mapped in Pipeline._sampling
+    logprobs: bool = False
+    top_logprobs: int | None = None  # 0 .. MAX_TOP_LOGPROBS, with logprobs=true
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias in LOGIT_BIAS_RANGE
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    user: str | None = None  # accepted and unused, as vLLM
 
 
 #: largest ``max_long_side_pixel`` hint (int32, so pixel arithmetic stays in numpy's integer range)
@@ -140,6 +224,19 @@ PENALTY_RANGE = (-2.0, 2.0)
 #: most ``stop`` strings, and the longest one in characters
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
+#: ``n`` range (OpenAI's documented 1..128; the wire's ``uint32 n``)
+N_RANGE = (1, 128)
+#: largest ``top_logprobs`` (OpenAI's 20; vLLM's default ``--max-logprobs``)
+MAX_TOP_LOGPROBS = 20
+#: ``logit_bias`` values (OpenAI's range) and the most entries
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+MAX_LOGIT_BIAS_ENTRIES = 1024
+#: most ``stop_token_ids``; each must fit the wire's ``repeated uint32``
+MAX_STOP_TOKEN_IDS = 64
+#: token ids on the wire: ``uint32`` stop ids, ``int32`` logit-bias keys
+TOKEN_ID_LIMIT = 2**31 - 1
+#: largest ``repetition_penalty`` (vLLM requires > 0 and sets no upper bound; a finite float32 here)
+MAX_REPETITION_PENALTY = 1e6
 #: ``chat_template_kwargs`` keys that name what the renderer passes itself (vLLM refuses
 #: ``chat_template`` and ``tokenize``; the others would collide with the render call)
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt",
@@ -172,9 +269,12 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
     if not req.messages:
         raise GatewayError(ErrorCode.INVALID_REQUEST, "messages must not be empty", "messages")
     _check_sampling(req)
+    _check_more_sampling(req)
     _check_messages(req)
     _check_template_kwargs(req.chat_template_kwargs)
     _check_hints(req)
+    from mmgate.api.structured import request_constraint  # noqa: PLC0415 - structured imports this module
+    request_constraint(req)  # structured outputs and tool_choice: at most one constraint, each checked
     if req.top_k == -1:
         req = msgspec.structs.replace(req, top_k=0)
     return req
@@ -214,8 +314,7 @@ def _check_sampling(req: ChatCompletionRequest) -> None:
         _in_range(req.seed, *SEED_RANGE, "seed", "an integer")
     _in_range(req.frequency_penalty, *PENALTY_RANGE, "frequency_penalty", "a number")
     _in_range(req.presence_penalty, *PENALTY_RANGE, "presence_penalty", "a number")
-    if req.n != 1:
-        raise GatewayError(ErrorCode.INVALID_REQUEST, "only n=1 is supported", "n")
+    _in_range(req.n, *N_RANGE, "n", "an integer")
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
     if len(stops) > MAX_STOP_STRINGS:
         raise GatewayError(ErrorCode.INVALID_REQUEST, f"stop takes at most {MAX_STOP_STRINGS} strings", "stop")
@@ -224,6 +323,55 @@ def _check_sampling(req: ChatCompletionRequest) -> None:
         if not 1 <= len(stop) <= MAX_STOP_CHARS:
             raise GatewayError(ErrorCode.INVALID_REQUEST,
                                f"a stop string must have 1 to {MAX_STOP_CHARS} characters", param)
+
+
+def _check_more_sampling(req: ChatCompletionRequest) -> None:
+    """Ranges of the vLLM sampling extras and logprobs (H-C1 block of :class:`ChatCompletionRequest`).
+
+    Mirrors vLLM v0.11 ``SamplingParams._verify_args`` (``min_p`` in [0, 1],
+    ``repetition_penalty`` > 0, ``min_tokens`` >= 0 and <= ``max_tokens``) and
+    ``ChatCompletionRequest.check_logprobs`` (``vllm/entrypoints/openai/protocol.py``:
+    ``top_logprobs`` >= 0 and only with ``logprobs``), with OpenAI's bounds
+    (``top_logprobs`` <= 20, ``logit_bias`` values in [-100, 100]) and the wire's
+    field types (``map<int32, float> logit_bias``, ``repeated uint32 stop_token_ids``).
+
+    Raises:
+        GatewayError(INVALID_REQUEST): the first field out of range, named in ``param``
+            (never quoting the value or a ``logit_bias`` key).
+    """
+    if req.top_logprobs is not None:
+        _in_range(req.top_logprobs, 0, MAX_TOP_LOGPROBS, "top_logprobs", "an integer")
+        if req.top_logprobs > 0 and not req.logprobs:
+            raise GatewayError(ErrorCode.INVALID_REQUEST, "top_logprobs requires logprobs=true", "top_logprobs")
+    if req.min_p is not None:
+        _in_range(req.min_p, 0.0, 1.0, "min_p", "a number")
+    if req.repetition_penalty is not None and not 0.0 < req.repetition_penalty <= MAX_REPETITION_PENALTY:
+        raise GatewayError(ErrorCode.INVALID_REQUEST,
+                           f"repetition_penalty must be a number within (0, {MAX_REPETITION_PENALTY:g}]",
+                           "repetition_penalty")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    _in_range(req.min_tokens, 0, MAX_TOKENS_LIMIT, "min_tokens", "an integer")
+    if max_tokens is not None and req.min_tokens > max_tokens:
+        raise GatewayError(ErrorCode.INVALID_REQUEST, "min_tokens must not exceed max_tokens", "min_tokens")
+    ids = req.stop_token_ids or []
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise GatewayError(ErrorCode.INVALID_REQUEST, f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids",
+                           "stop_token_ids")
+    for i, token in enumerate(ids):
+        _in_range(token, 0, TOKEN_ID_LIMIT, f"stop_token_ids[{i}]", "a token id")
+    bias = req.logit_bias or {}
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise GatewayError(ErrorCode.INVALID_REQUEST,
+                           f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} entries", "logit_bias")
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and int(key) <= TOKEN_ID_LIMIT):
+            raise GatewayError(ErrorCode.INVALID_REQUEST,
+                               f"logit_bias keys must be token ids (decimal integers within [0, {TOKEN_ID_LIMIT}])",
+                               "logit_bias")
+        if not (math.isfinite(value) and LOGIT_BIAS_RANGE[0] <= value <= LOGIT_BIAS_RANGE[1]):
+            low, high = LOGIT_BIAS_RANGE
+            raise GatewayError(ErrorCode.INVALID_REQUEST, f"logit_bias values must be within [{low}, {high}]",
+                               "logit_bias")
 
 
 def _check_messages(req: ChatCompletionRequest) -> None:
@@ -331,6 +479,10 @@ def check_json_depth(data: bytes, param: str | None = None, limit: int = MAX_JSO
 _AT_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 #: msgspec message openings built from the schema and JSON type names only (never from values)
 _SAFE_OPENINGS = ("Expected `", "Object missing required field `", "Number out of range")
+#: msgspec's refusal of a field a ``forbid_unknown_fields`` struct does not declare
+_UNKNOWN_FIELD = re.compile(r"Object contains unknown field `(.*)`", re.S)
+#: a field name that may be echoed (names from the OpenAI / vLLM vocabulary look like this)
+_FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 
 
 def _validation_message(text: str) -> tuple[str, str | None]:
@@ -343,6 +495,14 @@ def _validation_message(text: str) -> tuple[str, str | None]:
     match = _AT_PATH.search(text)
     path = match.group("path").lstrip(".") if match else ""
     what = text[: match.start()] if match else text
+    unknown = _UNKNOWN_FIELD.fullmatch(what)
+    if unknown is not None:
+        # a field name is the schema's vocabulary, not a value: named when it looks like one
+        name = unknown.group(1)
+        if not _FIELD_NAME.fullmatch(name):
+            return "invalid request: unknown field" + (f" at {path}" if path else ""), path or None
+        param = f"{path}.{name}" if path else name
+        return f"unknown field {param}: not a field of this API (refused, never ignored)", param
     if path.endswith(".type") and ".content[" in path:
         what = "unknown content part type (expected text, image_url, video_url or input_audio)"
     elif not what.startswith(_SAFE_OPENINGS) or len(what) > 120:

@@ -9,7 +9,11 @@ byte of the stream is sent); out: ``chat.completion`` JSON or
 taken after expansion), else the length of the expanded ``input_ids``: with
 worker-side media processing only the engine knows the expanded length.
 Streaming text is detokenized incrementally with ``tokenizers``'
-``DecodeStream`` (no re-decoding of the whole output per token).
+``DecodeStream`` (no re-decoding of the whole output per token), stop strings,
+stop tokens and logprobs as vLLM's detokenizer and chat server treat them
+(:mod:`mmgate.api.choice_text`).  ``n`` choices: the engine's messages carry
+each choice's ``index``; the answer is complete once every choice has its
+``GenerateComplete``; ``usage.completion_tokens`` sums the choices.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from smg_grpc_proto.generated import vllm_engine_pb2
-from tokenizers.decoders import DecodeStream
 
 from mmgate import metrics
+from mmgate.api.choice_text import ChoiceText
+from mmgate.api.output_parsing import PLAIN, OutputParsing
 from mmgate.chat.tokenizer import BundleTokenizer
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.types import PreparedRequest
@@ -48,31 +53,77 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-async def completion_body(prepared: PreparedRequest, first: vllm_engine_pb2.GenerateResponse,
-                          rest: AsyncIterator[vllm_engine_pb2.GenerateResponse],
-                          tokenizer: BundleTokenizer) -> dict[str, Any]:
-    """The ``chat.completion`` object of a non-streamed request."""
-    streamed: list[int] = []
-    complete: vllm_engine_pb2.GenerateComplete | None = None
+def _choice_count(prepared: PreparedRequest) -> int:
+    return max(prepared.sampling.n, 1)
+
+
+async def _responses(first: vllm_engine_pb2.GenerateResponse,
+                     rest: AsyncIterator[vllm_engine_pb2.GenerateResponse], n: int,
+                     ) -> AsyncIterator[vllm_engine_pb2.GenerateResponse]:
+    """The engine's responses until every one of the ``n`` choices has its ``GenerateComplete``.
+
+    Raises:
+        GatewayError(ENGINE_ERROR): the stream ended first.
+    """
+    done: set[int] = set()
     resp: vllm_engine_pb2.GenerateResponse | None = first
     while resp is not None:
-        kind = resp.WhichOneof("response")
-        if kind == "chunk":
-            streamed.extend(resp.chunk.token_ids)
-        elif kind == "complete":
-            complete = resp.complete
-            break
+        yield resp
+        if resp.WhichOneof("response") == "complete":
+            done.add(resp.complete.index)
+            if len(done) >= n:
+                return
         resp = await anext(rest, None)
-    if complete is None:
-        raise GatewayError(ErrorCode.ENGINE_ERROR, "engine stream ended without a completion")
-    output = streamed or list(complete.output_ids)
-    metrics.COMPLETION_TOKENS.inc(len(output))
+    raise GatewayError(ErrorCode.ENGINE_ERROR, "engine stream ended without a completion")
+
+
+async def completion_body(prepared: PreparedRequest, first: vllm_engine_pb2.GenerateResponse,
+                          rest: AsyncIterator[vllm_engine_pb2.GenerateResponse],
+                          tokenizer: BundleTokenizer, parsing: OutputParsing = PLAIN) -> dict[str, Any]:
+    """The ``chat.completion`` object of a non-streamed request: ``n`` choices, ``usage`` summed over
+    them (vLLM ``OpenAIServingChat.chat_completion_full_generator``).  ``parsing``: reasoning and
+    tool-call parsing of each choice's text (:mod:`mmgate.api.output_parsing`)."""
+    n = _choice_count(prepared)
+    texts = [ChoiceText(tokenizer, prepared.sampling) for _ in range(n)]
+    completes: dict[int, vllm_engine_pb2.GenerateComplete] = {}
+    async for resp in _responses(first, rest, n):
+        if resp.WhichOneof("response") == "chunk":
+            texts[_index(resp.chunk.index, n)].add(resp.chunk.token_ids, _logprobs_of(resp.chunk))
+            continue
+        complete = resp.complete
+        choice = texts[_index(complete.index, n)]
+        if choice.tokens == 0:  # not streamed: the ids and logprobs are on the completion
+            choice.add(complete.output_ids, _logprobs_of(complete))
+        choice.finish(complete)
+        completes[_index(complete.index, n)] = complete
+    completion_tokens = sum(t.tokens for t in texts)
+    metrics.COMPLETION_TOKENS.inc(completion_tokens)
+    choices = []
+    for i in range(n):
+        message, called = parsing.message(texts[i].text, prepared.prompt_text)  # H-C2: reasoning, tool calls
+        choices.append({"index": i, "message": message, "logprobs": texts[i].take_logprobs(),
+                        "finish_reason": _tool_finish(_finish_reason(completes[i]), called)})
+    any_complete = next(iter(completes.values()))
     return {
         "id": prepared.request_id, "object": "chat.completion", "created": int(time.time()), "model": prepared.model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": tokenizer.decode(output)},
-                     "logprobs": None, "finish_reason": _finish_reason(complete)}],
-        "usage": _usage(_prompt_tokens(prepared, complete), len(output)),
+        "choices": choices, "usage": _usage(_prompt_tokens(prepared, any_complete), completion_tokens),
     }
+
+
+def _tool_finish(finish: str, called: bool) -> str:
+    """``tool_calls`` for a choice that called tools and stopped on its own (a cut-off one stays ``length``)."""
+    return "tool_calls" if called and finish == "stop" else finish
+
+
+def _index(index: int, n: int) -> int:
+    if not 0 <= index < n:
+        raise GatewayError(ErrorCode.ENGINE_ERROR, "engine answered with a choice index outside n")
+    return index
+
+
+def _logprobs_of(msg: vllm_engine_pb2.GenerateStreamChunk | vllm_engine_pb2.GenerateComplete,
+                 ) -> vllm_engine_pb2.OutputLogProbs | None:
+    return msg.output_logprobs if msg.HasField("output_logprobs") else None
 
 
 def _event(obj: dict[str, Any]) -> bytes:
@@ -81,39 +132,51 @@ def _event(obj: dict[str, Any]) -> bytes:
 
 async def sse_stream(prepared: PreparedRequest, first: vllm_engine_pb2.GenerateResponse,
                      rest: AsyncIterator[vllm_engine_pb2.GenerateResponse], tokenizer: BundleTokenizer,
-                     include_usage: bool, release: Callable[[], None]) -> AsyncIterator[bytes]:
-    """``chat.completion.chunk`` events; an engine failure mid-stream becomes an ``error`` event."""
+                     include_usage: bool, release: Callable[[], None],
+                     parsing: OutputParsing = PLAIN) -> AsyncIterator[bytes]:
+    """``chat.completion.chunk`` events; an engine failure mid-stream becomes an ``error`` event.
+
+    As vLLM ``OpenAIServingChat.chat_completion_stream_generator``: a role chunk per choice first,
+    then content chunks carrying their choice's ``index`` (and ``logprobs`` when asked for), a
+    finish chunk per choice when its engine ``GenerateComplete`` arrives, and with
+    ``include_usage`` a last chunk with ``usage`` summed over the choices.
+    """
     created = int(time.time())
     base = {"id": prepared.request_id, "object": "chat.completion.chunk", "created": created, "model": prepared.model}
-    decoder = DecodeStream(skip_special_tokens=True)
-    count = 0
+    n = _choice_count(prepared)
+    texts = [ChoiceText(tokenizer, prepared.sampling) for _ in range(n)]
+    outputs = [parsing.stream(prepared.prompt_text) for _ in range(n)]  # H-C2: reasoning, tool-call deltas
+    prompt_tokens = len(prepared.input_ids)
+
+    def chunk(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None, finish: str | None) -> bytes:
+        return _event({**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                            "finish_reason": finish}]})
+
     try:
-        yield _event({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                           "logprobs": None, "finish_reason": None}]})
-        resp: vllm_engine_pb2.GenerateResponse | None = first
-        while resp is not None:
+        for i in range(n):
+            yield chunk(i, {"role": "assistant", "content": ""}, None, None)
+        async for resp in _responses(first, rest, n):
             kind = resp.WhichOneof("response")
-            if kind == "chunk" or (kind == "complete" and count == 0):
-                ids = resp.chunk.token_ids if kind == "chunk" else resp.complete.output_ids
-                pieces = []
-                for tok in ids:
-                    count += 1
-                    piece = decoder.step(tokenizer.tokenizer, tok)
-                    if piece:
-                        pieces.append(piece)
-                if pieces:
-                    yield _event({**base, "choices": [{"index": 0, "delta": {"content": "".join(pieces)},
-                                                       "logprobs": None, "finish_reason": None}]})
+            msg = resp.chunk if kind == "chunk" else resp.complete
+            i = _index(msg.index, n)
+            choice = texts[i]
+            if kind == "chunk":
+                piece = choice.add(resp.chunk.token_ids, _logprobs_of(resp.chunk))
+            else:
+                piece = choice.add(resp.complete.output_ids, _logprobs_of(resp.complete)) if choice.tokens == 0 else ""
+                piece += choice.finish(resp.complete)
+            logprobs = choice.take_logprobs()
+            delta = outputs[i].feed(piece) if piece else {}
+            if delta or (logprobs is not None and logprobs["content"]):
+                yield chunk(i, delta or {"content": ""}, logprobs, None)
             if kind == "complete":
-                finish = _finish_reason(resp.complete)
-                yield _event({**base, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}]})
-                if include_usage:
-                    usage = _usage(_prompt_tokens(prepared, resp.complete), count)
-                    yield _event({**base, "choices": [], "usage": usage})
-                break
-            resp = await anext(rest, None)
-        else:
-            raise GatewayError(ErrorCode.ENGINE_ERROR, "engine stream ended without a completion")
+                prompt_tokens = _prompt_tokens(prepared, resp.complete)
+                if held := outputs[i].flush():
+                    yield chunk(i, held, None, None)
+                yield chunk(i, {}, None, _tool_finish(_finish_reason(resp.complete), outputs[i].called))
+        count = sum(t.tokens for t in texts)
+        if include_usage:
+            yield _event({**base, "choices": [], "usage": _usage(prompt_tokens, count)})
         metrics.COMPLETION_TOKENS.inc(count)
     except GatewayError as exc:
         metrics.ERRORS.labels(exc.code.value).inc()
@@ -126,16 +189,18 @@ async def sse_stream(prepared: PreparedRequest, first: vllm_engine_pb2.GenerateR
 
 async def respond(prepared: PreparedRequest, stream: bool, include_usage: bool,
                   first: vllm_engine_pb2.GenerateResponse, rest: AsyncGenerator[vllm_engine_pb2.GenerateResponse, None],
-                  tokenizer: BundleTokenizer, release: Callable[[], None], headers: dict[str, str]) -> Response:
+                  tokenizer: BundleTokenizer, release: Callable[[], None], headers: dict[str, str],
+                  parsing: OutputParsing = PLAIN) -> Response:
     """The HTTP response of a request whose engine has answered once: SSE or one JSON body.
 
-    ``release`` runs exactly once, when the stream or the body is finished (or failed).
+    ``release`` runs exactly once, when the stream or the body is finished (or failed).  ``parsing``:
+    how the text becomes ``reasoning_content`` / ``content`` / ``tool_calls`` (:mod:`mmgate.api.output_parsing`).
     """
     if stream:
-        body = sse_stream(prepared, first, rest, tokenizer, include_usage, release)
+        body = sse_stream(prepared, first, rest, tokenizer, include_usage, release, parsing)
         return StreamingResponse(body, media_type="text/event-stream", headers=headers)
     try:
-        body_json = await completion_body(prepared, first, rest, tokenizer)
+        body_json = await completion_body(prepared, first, rest, tokenizer, parsing)
     finally:
         release()
         await rest.aclose()

@@ -23,13 +23,13 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from mmgate import metrics
+from mmgate import metrics, timing_log
 from mmgate.api.answer import EngineAnswer
 from mmgate.api.protocol import ChatCompletionRequest
 from mmgate.engines.vllm import build_media_ref_request
 from mmgate.errors import GatewayError
 from mmgate.routing.mm_processing import check_anchor_counts, check_ref_sizes, select_processing_worker
-from mmgate.types import MediaRef, PreparedRequest
+from mmgate.types import MediaRef, Modality, PreparedRequest
 
 if TYPE_CHECKING:
     from mmgate.api.app import GatewayState
@@ -45,9 +45,11 @@ def with_part_param(exc: GatewayError, refs: Sequence[MediaRef]) -> GatewayError
     return exc
 
 
-async def forward_media_refs(state: GatewayState, req: ChatCompletionRequest) -> EngineAnswer:
+async def forward_media_refs(state: GatewayState, req: ChatCompletionRequest, request_id: str | None = None,
+                             record: timing_log.RequestTiming | None = None) -> EngineAnswer:
     """Send ``req`` to a worker that processes its media itself (see the module docstring); the engine
-    has answered once when this returns."""
+    has answered once when this returns.  ``record``: the request's ``--log-mm-timing`` record (its
+    ``process_multimodal_plan`` line is written here, with ``mode=worker``)."""
     timings: dict[str, float] = {}
     pipeline = state.pipeline
     plan, prompt, ids = await pipeline.render_prompt_async(req, timings)
@@ -58,7 +60,7 @@ async def forward_media_refs(state: GatewayState, req: ChatCompletionRequest) ->
         check_ref_sizes(refs, state.settings.fetch)
         worker = select_processing_worker(state.workers, refs)
     prepared = PreparedRequest(
-        request_id=f"chatcmpl-{uuid.uuid4().hex}", model=state.runtime.served_name, prompt_text=prompt,
+        request_id=request_id or f"chatcmpl-{uuid.uuid4().hex}", model=state.runtime.served_name, prompt_text=prompt,
         input_ids=tuple(ids), batches=(), sampling=sampling, stream=req.stream, timings_ms=timings)
     with metrics.stage("assemble", timings):
         msg = build_media_ref_request(prepared, refs)
@@ -79,7 +81,12 @@ async def forward_media_refs(state: GatewayState, req: ChatCompletionRequest) ->
         await responses.aclose()
         raise
     kind = first.WhichOneof("response")
-    metrics.PROMPT_TOKENS.inc(first.chunk.prompt_tokens if kind == "chunk" else first.complete.prompt_tokens)
+    prompt_tokens = first.chunk.prompt_tokens if kind == "chunk" else first.complete.prompt_tokens
+    metrics.PROMPT_TOKENS.inc(prompt_tokens)
+    counts = timing_log.MediaCounts(*(sum(1 for r in refs if r.modality is m)
+                                      for m in (Modality.IMAGE, Modality.VIDEO, Modality.AUDIO)))
+    timing_log.request_done(record, mode="worker", counts=counts, timings=timings, original_tokens=len(ids),
+                            expanded_tokens=prompt_tokens, handed_over=start)
     headers = {"X-Mmgate-Stage-Ms": ",".join(f"{k}={v:.2f}" for k, v in timings.items()),
                "X-Request-Id": prepared.request_id, "X-Mmgate-Mm-Processing": "worker"}
     return EngineAnswer(prepared, first, responses, release, headers)

@@ -116,14 +116,15 @@ class ReservedTokens:
                                "sent as plain text", param)
 
     def sanitize(self, messages: Sequence[Mapping[str, Any]],
-                 template_kwargs: Mapping[str, Any] | None = None) -> Sanitized:
+                 template_kwargs: Mapping[str, Any] | None = None,
+                 tools: Sequence[Mapping[str, Any]] | None = None) -> Sanitized:
         """Replace every reserved string typed in a caller field by a marker (see the module docstring).
 
         ``messages`` are the planned template messages: media parts are mmgate's own
         ``{"type": "image"}`` placeholders and carry no caller text.  Every string (content,
-        text parts, role, name, tool calls, reasoning; ``chat_template_kwargs`` values) is
-        rewritten; dictionary keys are checked only.  Returns the inputs unchanged (same
-        objects) when nothing was typed.
+        text parts, role, name, tool calls, reasoning; ``chat_template_kwargs`` values; the
+        tool definitions) is rewritten; dictionary keys are checked only.  Returns the inputs
+        unchanged (same objects) when nothing was typed.
 
         Raises:
             GatewayError(RESERVED_TOKEN_IN_TEXT): a reserved string formed by joining a message's
@@ -159,13 +160,14 @@ class ReservedTokens:
                 msg[key] = rewrite(value, f"messages[{mi}].{key}")
             content = msg.get("content")
             if isinstance(content, list):
-                joined = "".join(p["text"] for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str))
-                self.check(joined, f"messages[{mi}].content")
+                for run in _adjacent_texts(content):
+                    self.check(run, f"messages[{mi}].content")
             out_messages.append(msg)
         kwargs = rewrite(dict(template_kwargs), "chat_template_kwargs") if template_kwargs else template_kwargs
+        out_tools = rewrite(list(tools), "tools") if tools else tools
         if not typed:
-            return Sanitized(messages, template_kwargs)
-        return Sanitized(out_messages, kwargs, tuple(typed), nonce)
+            return Sanitized(messages, template_kwargs, tools=tools)
+        return Sanitized(out_messages, kwargs, tuple(typed), nonce, out_tools)
 
 
 #: the characters around a typed-token marker (Unicode private use: no tokenizer, template or
@@ -185,6 +187,7 @@ class Sanitized:
     template_kwargs: Mapping[str, Any] | None
     typed: tuple[str, ...] = ()
     nonce: str = ""
+    tools: Sequence[Mapping[str, Any]] | None = None
 
     def segments(self, prompt: str) -> list[tuple[str, bool]]:
         """The rendered ``prompt`` as ``(text, typed)`` pieces in order: template text (``typed``
@@ -202,4 +205,28 @@ class Sanitized:
             pos = match.end()
         if pos < len(prompt) or not out:
             out.append((prompt[pos:], False))
+        if any(MARK_OPEN in text or MARK_CLOSE in text for text, typed in out if not typed):
+            # The template changed a marker (a filter such as ``upper``, ``tojson``, slicing): the
+            # typed string's place is lost, so no faithful prompt can be given.
+            raise GatewayError(ErrorCode.RESERVED_TOKEN_IN_TEXT,
+                               "the chat template transformed text holding a reserved token; send that text "
+                               "without the model's reserved tokens", "messages")
         return out
+
+
+def _adjacent_texts(parts: Sequence[Any]) -> list[str]:
+    """The joined text of each run of consecutive text parts (a media part ends a run: its markup
+    separates the texts around it)."""
+    runs: list[str] = []
+    current: list[str] = []
+    for part in parts:
+        text = part.get("text") if isinstance(part, Mapping) else None
+        if isinstance(text, str):
+            current.append(text)
+            continue
+        if len(current) > 1:
+            runs.append("".join(current))
+        current = []
+    if len(current) > 1:
+        runs.append("".join(current))
+    return runs

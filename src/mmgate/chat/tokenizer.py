@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Encoding, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
 from mmgate.errors import ErrorCode, GatewayError
@@ -136,20 +136,40 @@ class BundleTokenizer:
         if len(segments) == 1 and not segments[0][1]:
             return self.encode_prompt(segments[0][0])
         plain = self._plain_tokenizer()
-        ids: list[int] = []
-        for i, (text, typed) in enumerate(segments):
-            if typed:
-                piece = _encode(plain, text, False)
-                if reserved_ids.intersection(piece):
-                    raise GatewayError(ErrorCode.RESERVED_TOKEN_IN_TEXT,
-                                       f"text contains the model's reserved token {text!r} in a form that cannot be "
-                                       "sent as plain text", "messages")
-                ids.extend(piece)
-            elif i == 0:
-                ids.extend(self.encode_prompt(text))
-            else:
-                ids.extend(_encode(self.tokenizer, text, False))
-        return ids
+        pieces = []
+        for text, typed in segments:
+            encoding = (plain if typed else self.tokenizer).encode_batch([text], add_special_tokens=False)[0]
+            if typed and reserved_ids.intersection(encoding.ids):
+                raise GatewayError(ErrorCode.RESERVED_TOKEN_IN_TEXT,
+                                   f"text contains the model's reserved token {text!r} in a form that cannot be "
+                                   "sent as plain text", "messages")
+            pieces.append(encoding)
+        merged = Encoding.merge(pieces, growing_offsets=True)
+        first = segments[0][0]
+        if not (self.bos_token is not None and first.startswith(self.bos_token)):
+            merged = self.tokenizer.post_process(merged, add_special_tokens=True)  # BOS/EOS once, around the whole
+        return list(merged.ids)
+
+    def exceeds(self, text: str, limit: int, chunk_chars: int = 1 << 20) -> bool:
+        """Whether ``text`` certainly tokenizes to more than ``limit`` tokens, found without holding the
+        whole text's encoding: pieces of ``chunk_chars`` characters (cut after a whitespace run) are
+        tokenized with the GIL released and counted, stopping as soon as the count, less
+        ``_CHUNK_SLACK`` tokens per cut for what a cut can add, passes ``limit``.  Memory stays that of
+        one piece; a text far over the limit is refused after its first few pieces.
+        """
+        count, cuts, start = 0, 0, 0
+        while start < len(text):
+            end = min(len(text), start + chunk_chars)
+            if end < len(text):
+                space = text.rfind(" ", start + chunk_chars // 2, end)
+                end = space + 1 if space > 0 else end
+                cuts += 1
+            count += len(self.tokenizer.encode_batch([text[start:end]], add_special_tokens=False)[0].ids)
+            if count - cuts * _CHUNK_SLACK > limit:
+                return True
+            start = end
+        return False
+
 
     def _plain_tokenizer(self) -> Tokenizer:
         with self._plain_lock:
@@ -162,6 +182,10 @@ class BundleTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
+
+#: tokens a cut through a text can add to the count of its two sides (:meth:`BundleTokenizer.exceeds`):
+#: only the pre-tokens around the cut are tokenized differently
+_CHUNK_SLACK = 16
 
 #: texts longer than this are encoded with the GIL released (``encode_batch``): a long prompt tokenized
 #: in the pool must not stall the event loop (``encode`` holds the GIL: 5 s for a 4 MB prompt)

@@ -27,6 +27,7 @@ processing) wins when it agrees with the status (:func:`parse_carried_error`).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Sequence
@@ -36,7 +37,7 @@ import grpc
 import numpy as np
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
 
-from mmgate import metrics
+from mmgate import metrics, timing_log
 from mmgate.errors import ERROR_TABLE, ErrorCode, GatewayError
 from mmgate.transport import shm
 from mmgate.transport.dtypes import EncoderDtype, convert_encoder_input, to_bfloat16_bits, to_float16
@@ -44,7 +45,17 @@ from mmgate.transport.inline import to_tensor_data, wire_dtype_name
 from mmgate.transport.placement import BufferTarget, Convert, ShmTarget, identity, new_bytes
 from mmgate.transport.policy import INLINE_FLOAT32, WirePlan
 from mmgate.transport.shm import ShmLease
-from mmgate.types import EncoderBatch, MediaRef, Modality, PendingTensor, PreparedRequest, RowTarget, SamplingParams
+from mmgate.types import (
+    Constraint,
+    ConstraintKind,
+    EncoderBatch,
+    MediaRef,
+    Modality,
+    PendingTensor,
+    PreparedRequest,
+    RowTarget,
+    SamplingParams,
+)
 
 ENGINE = "vllm"
 PRIMARY_KEY = "pixel_values"
@@ -120,9 +131,16 @@ def map_rpc_error(exc: grpc.aio.AioRpcError | grpc.RpcError) -> GatewayError:
     return GatewayError(ErrorCode.ENGINE_ERROR, f"engine error ({code.name}): {details[:300]}")
 
 
+def _sent(name: str, path: str, nbytes: int) -> None:
+    """Count one tensor placed for the engine (``smg_mm_tensors_total{runtime,path}`` and bytes) and report
+    it to the request's ``--log-mm-timing`` record."""
+    metrics.tensor_sent(ENGINE, path, nbytes)
+    timing_log.tensor_sent(ENGINE, name, path, nbytes)
+
+
 def _tensor_data(array: np.ndarray, dtype_name: str, wire: WirePlan,
-                 lease: ShmLease | None) -> vllm_engine_pb2.TensorData:
-    """Inline or shared-memory ``TensorData`` for one tensor (shm failures fall back to inline)."""
+                 lease: ShmLease | None, key: str = PRIMARY_KEY) -> vllm_engine_pb2.TensorData:
+    """Inline or shared-memory ``TensorData`` for tensor ``key`` (shm failures fall back to inline)."""
     if lease is not None and wire.use_shm(array.nbytes):
         try:
             name = shm.write_segment(array)
@@ -130,13 +148,11 @@ def _tensor_data(array: np.ndarray, dtype_name: str, wire: WirePlan,
             metrics.SHM_WRITE_FAILURES.labels(ENGINE).inc()
         else:
             lease.add(name)
-            metrics.MM_TENSORS.labels(ENGINE, "shm").inc()
-            metrics.MM_TENSOR_BYTES.labels(ENGINE, "shm").inc(array.nbytes)
+            _sent(key, "shm", array.nbytes)
             handle = common_pb2.ShmHandle(name=name, offset=0, nbytes=array.nbytes, owner_id=f"mmgate-{os.getpid()}")
             return vllm_engine_pb2.TensorData(shape=list(array.shape), dtype=dtype_name or wire_dtype_name(array),
                                               shm=handle)
-    metrics.MM_TENSORS.labels(ENGINE, "inline").inc()
-    metrics.MM_TENSOR_BYTES.labels(ENGINE, "inline").inc(array.nbytes)
+    _sent(key, "inline", array.nbytes)
     return to_tensor_data(array, dtype_name or None)
 
 
@@ -162,7 +178,7 @@ def build_mm_inputs(batch: EncoderBatch, wire: WirePlan = INLINE_FLOAT32,
         dtype_name = ""
         if name == PRIMARY_KEY:
             array, dtype_name = convert_encoder_input(array, wire.encoder_dtype)
-        td = _tensor_data(array, dtype_name, wire, lease)
+        td = _tensor_data(array, dtype_name, wire, lease, name)
         if name == PRIMARY_KEY:
             mm.pixel_values.CopyFrom(td)
         else:
@@ -207,20 +223,19 @@ def _place_pending(pending: PendingTensor, wire: WirePlan, lease: ShmLease | Non
         else:
             lease.add(name)
             targets.append((pending, ShmTarget(name, width, itemsize, convert)))
-            metrics.MM_TENSORS.labels(ENGINE, "shm").inc()
-            metrics.MM_TENSOR_BYTES.labels(ENGINE, "shm").inc(nbytes)
+            _sent(PRIMARY_KEY, "shm", nbytes)
             handle = common_pb2.ShmHandle(name=name, offset=0, nbytes=nbytes, owner_id=f"mmgate-{os.getpid()}")
             return vllm_engine_pb2.TensorData(shape=shape, dtype=dtype_name, shm=handle), None
     assert first, "the pipeline defers only the first batch's pixels"
-    metrics.MM_TENSORS.labels(ENGINE, "inline").inc()
-    metrics.MM_TENSOR_BYTES.labels(ENGINE, "inline").inc(nbytes)
+    _sent(PRIMARY_KEY, "inline", nbytes)
     return (vllm_engine_pb2.TensorData(shape=shape, dtype=dtype_name),
             _InlineTail(nbytes=nbytes, pending=pending, width=width, itemsize=itemsize, convert=convert))
 
 
 #: integer fields of ``vllm_engine.proto`` ``SamplingParams`` and the range their wire type carries
 _UINT32, _INT32 = (0, 2**32 - 1), (-(2**31), 2**31 - 1)
-_WIRE_INT_RANGES = {"max_tokens": _UINT32, "top_k": _UINT32, "seed": _INT32}
+_WIRE_INT_RANGES = {"max_tokens": _UINT32, "top_k": _UINT32, "seed": _INT32,
+                    "n": _UINT32, "min_tokens": _UINT32, "logprobs": _INT32}
 
 
 def sampling_message(s: SamplingParams) -> vllm_engine_pb2.SamplingParams:
@@ -228,7 +243,9 @@ def sampling_message(s: SamplingParams) -> vllm_engine_pb2.SamplingParams:
 
     Field types from ``smg_grpc_proto`` ``vllm_engine.proto`` ``SamplingParams``:
     ``optional uint32 max_tokens``, ``uint32 top_k`` (0 = disabled; vLLM's -1
-    is sent as 0), ``optional int32 seed``, ``float`` for the rest.  The API
+    is sent as 0), ``optional int32 seed``, ``uint32 n`` / ``min_tokens``,
+    ``optional int32 logprobs`` (unset: none; vLLM's ``logprobs=top_logprobs if
+    logprobs``), ``map<int32, float> logit_bias``, ``float`` for the rest.  The API
     layer (``parse_chat_request``) already refuses values outside these
     ranges; a value that still does not fit is refused here with 400
     ``invalid_request`` naming the field, never a ``ValueError`` (500) from protobuf.
@@ -241,18 +258,43 @@ def sampling_message(s: SamplingParams) -> vllm_engine_pb2.SamplingParams:
         low, high = _WIRE_INT_RANGES[name]
         if value is not None and not low <= value <= high:
             raise GatewayError(ErrorCode.INVALID_REQUEST, f"{name} must be within [{low}, {high}]", name)
+    for name, value in (("n", s.n), ("min_tokens", s.min_tokens), ("logprobs", s.logprobs)):
+        low, high = _WIRE_INT_RANGES[name]
+        if value is not None and not low <= value <= high:
+            raise GatewayError(ErrorCode.INVALID_REQUEST, f"{name} must be within [{low}, {high}]", name)
     sampling = vllm_engine_pb2.SamplingParams(
         top_p=s.top_p, top_k=top_k, frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
-        repetition_penalty=1.0, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), skip_special_tokens=True,
-        spaces_between_special_tokens=True, ignore_eos=s.ignore_eos, n=1,
+        repetition_penalty=s.repetition_penalty, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
+        skip_special_tokens=s.skip_special_tokens, spaces_between_special_tokens=s.spaces_between_special_tokens,
+        ignore_eos=s.ignore_eos, n=s.n, min_p=s.min_p, min_tokens=s.min_tokens,
+        include_stop_str_in_output=s.include_stop_str_in_output, logit_bias=dict(s.logit_bias),
     )
+    if s.logprobs is not None:
+        sampling.logprobs = s.logprobs
     if s.temperature is not None:
         sampling.temperature = s.temperature
     if s.max_tokens is not None:
         sampling.max_tokens = s.max_tokens
     if s.seed is not None:
         sampling.seed = s.seed
+    if s.constraint is not None:
+        _set_constraint(sampling, s.constraint)
     return sampling
+
+
+def _set_constraint(sampling: vllm_engine_pb2.SamplingParams, constraint: Constraint) -> None:
+    """Set the wire's ``SamplingParams.constraint`` oneof (``vllm_engine.proto``; vLLM ``StructuredOutputsParams``).
+
+    ``json_schema`` / ``regex`` / ``grammar`` / ``structural_tag`` carry the text,
+    ``json_object`` is ``true``, ``choice`` is a ``ChoiceConstraint`` of the choices.
+    """
+    kind = constraint.kind
+    if kind is ConstraintKind.JSON_OBJECT:
+        sampling.json_object = True
+    elif kind is ConstraintKind.CHOICE:
+        sampling.choice.choices.extend(json.loads(constraint.value))
+    else:
+        setattr(sampling, kind.value, constraint.value)
 
 
 def _build(req: PreparedRequest, wire: WirePlan, lease: ShmLease | None, defer_primary: bool,
@@ -289,8 +331,7 @@ def _build(req: PreparedRequest, wire: WirePlan, lease: ShmLease | None, defer_p
                     mm.pixel_values.CopyFrom(vllm_engine_pb2.TensorData(
                         shape=list(array.shape), dtype=dtype_name or wire_dtype_name(array)))
                     tail = _InlineTail(nbytes=array.nbytes, array=np.ascontiguousarray(array))
-                    metrics.MM_TENSORS.labels(ENGINE, "inline").inc()
-                    metrics.MM_TENSOR_BYTES.labels(ENGINE, "inline").inc(array.nbytes)
+                    _sent(PRIMARY_KEY, "inline", array.nbytes)
         else:
             mm = build_mm_inputs(batch, wire, lease)
         if i == 0:

@@ -14,7 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mmgate.options import add_option, resolve
 from mmgate.refengine.mm_config import MmProcessorConfig, add_mm_arguments, mm_config
+from mmgate.settings import ENCODER_DTYPES
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,37 +44,45 @@ class EngineConfig:
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
-    """The ``mmgate engine`` argument parser."""
+    """The ``mmgate engine`` argument parser, its options grouped by topic (docs/configuration.md).
+
+    The worker-side processing groups (media intake, video) are ``mmgate serve``'s own
+    definitions (:func:`mmgate.sidecar.config.add_processing_arguments`).
+    """
     parser = argparse.ArgumentParser(
         prog="mmgate engine",
         description="CPU reference engine: the vLLM gRPC engine service over a transformers model.",
     )
-    parser.add_argument("--model", required=True, type=Path, help="model bundle folder (config.json, tokenizer)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    parser.add_argument("--seed", type=int, default=0, help="seed for random weights")
-    parser.add_argument("--served-model-name", default="", help="name reported by GetModelInfo")
-    parser.add_argument("--max-tokens-default", type=int, default=16, help="max_tokens when a request omits it")
-    parser.add_argument("--num-threads", type=int, default=2, help="torch CPU threads")
-    parser.add_argument("--mm-device-do-normalize", action="store_true",
-                        help="advertise mm_device_do_normalize: take uint8 pixels and normalize them here")
-    parser.add_argument("--multimodal-encoder-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                        help="advertised encoder input dtype (the gateway converts float tensors to it)")
-    parser.add_argument("--record-dir", type=Path, default=None,
-                        help="debug: write each request's final input_ids and model tensors to DIR/<request_id>.npz")
+    g = parser.add_argument_group("engine")
+    add_option(g, "--model", required=True, type=Path, metavar="DIR",
+               help="model bundle folder (config.json, tokenizer, optional weights)")
+    add_option(g, "--host", default="127.0.0.1", help="address the gRPC server listens on")
+    add_option(g, "--port", type=int, default=0, minimum=0, help="gRPC port (0 picks a free port)")
+    add_option(g, "--seed", type=int, default=0, help="seed for random weights")
+    add_option(g, "--served-model-name", default="", help="name reported by GetModelInfo (default: --model)")
+    add_option(g, "--max-tokens-default", type=int, default=16, help="max_tokens when a request omits it")
+    add_option(g, "--num-threads", type=int, default=2, help="torch CPU threads")
+    add_option(g, "--mm-device-do-normalize", action="store_true", default=False,
+               help="advertise mm_device_do_normalize: take uint8 pixels and normalize them here")
+    add_option(g, "--multimodal-encoder-dtype", choices=list(ENCODER_DTYPES), default="float32",
+               help="advertised multimodal_encoder_dtype label (the gateway's auto converts float tensors to it)")
+    add_option(g, "--record-dir", type=Path, default=None, metavar="DIR",
+               help="debug: write each request's final input_ids and model tensors to DIR/<request_id>.npz")
     add_mm_arguments(parser)
     return parser
 
 
 def parse_args(argv: list[str] | None, environ: Mapping[str, str] | None = None) -> EngineConfig:
     """Parse ``argv`` (``None`` = ``sys.argv[1:]``) and ``environ`` (``None`` = ``os.environ``;
-    only the media-processor settings have environment fallbacks) into an :class:`EngineConfig`.
+    the media-processor and shared processing options have environment fallbacks) into an
+    :class:`EngineConfig`.
 
     Raises:
         SystemExit: bad arguments (argparse prints the usage).
     """
     parser = build_arg_parser()
-    ns = parser.parse_args(argv)
+    env = os.environ if environ is None else environ
+    ns = resolve(parser, parser.parse_args(argv), env)
     if ns.max_tokens_default < 1:
         parser.error("--max-tokens-default must be at least 1")
     if ns.num_threads < 1:
@@ -87,6 +97,6 @@ def parse_args(argv: list[str] | None, environ: Mapping[str, str] | None = None)
         num_threads=ns.num_threads,
         device_normalize=ns.mm_device_do_normalize,
         encoder_dtype=ns.multimodal_encoder_dtype,
-        mm=mm_config(ns, parser, os.environ if environ is None else environ),
+        mm=mm_config(ns, parser, env),
         record_dir=ns.record_dir,
     )

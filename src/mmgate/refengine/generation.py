@@ -17,9 +17,12 @@ placeholder mismatch surfaces as an opaque indexing error instead of the
 model's own message.  Greedy output equals ``model.generate(do_sample=False)``
 (a test checks it).
 
-Token choice mirrors ``GenerationMixin._sample``: logits processors on the
-float32 last-position logits, then argmax, or softmax + multinomial with the
-request's own ``torch.Generator`` when seeded.
+Token choice mirrors vLLM's V1 sampler (:func:`.sampler.sample_next`: min-tokens,
+``logit_bias``, penalties, then argmax, or temperature, min-p, top-k/top-p and
+exponential-noise sampling with the request's own ``torch.Generator`` when
+seeded), on the float32 last-position logits.  A structured-output constraint
+masks the logits before the processors and ends the generation once its grammar
+is complete (:mod:`.constraints`).
 
 Not thread-safe: Qwen-VL models keep per-request state (``rope_deltas``) on the
 module, so the engine runs one generation at a time per model.
@@ -31,13 +34,14 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import cast
 
 import torch
-from transformers import DynamicCache, LogitsProcessorList
+from transformers import DynamicCache
 
 from mmgate.refengine.bundle import LazyTokenizer, LoadedModel
+from mmgate.refengine.constraints import grammar_guide
 from mmgate.refengine.mm_inputs import ModelInputs
+from mmgate.refengine.sampler import TokenLogprobs, sample_next
 from mmgate.refengine.sampling import GenerationPlan
 
 
@@ -84,21 +88,6 @@ def _forward(loaded: LoadedModel, cache: DynamicCache, **kwargs: torch.Tensor | 
     return out.logits[:, -1, :].to(torch.float32)
 
 
-def _choose(
-    plan: GenerationPlan,
-    processors: LogitsProcessorList,
-    sequence: torch.Tensor,
-    logits: torch.Tensor,
-    generator: torch.Generator | None,
-) -> int:
-    """The next token: ``GenerationMixin._sample``'s selection for batch size 1."""
-    scores = processors(cast(torch.LongTensor, sequence), cast(torch.FloatTensor, logits))
-    if plan.do_sample:
-        probs = torch.nn.functional.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs, num_samples=1, generator=generator)[0, 0])
-    return int(torch.argmax(scores, dim=-1)[0])
-
-
 class _StopStrings:
     """Whether the decoded completion contains a stop string (decodes only when there are some)."""
 
@@ -117,7 +106,7 @@ def run_generation(
     loaded: LoadedModel,
     inputs: ModelInputs,
     plan: GenerationPlan,
-    on_token: Callable[[int], None],
+    on_token: Callable[[int, TokenLogprobs | None], None],
     cancelled: threading.Event,
     tokenizer: LazyTokenizer,
 ) -> GenerationResult:
@@ -127,7 +116,8 @@ def run_generation(
         loaded: the model (call from the model thread only).
         inputs: ``input_ids`` ``[1, seq]`` int64, attention mask, forward kwargs.
         plan: sampling and stop rules.
-        on_token: called with each new token id, in order, from this thread.
+        on_token: called with each new token id and its logprobs (None unless the plan asks
+            for them), in order, from this thread.
         cancelled: set by Abort or a client disconnect; checked after every token.
         tokenizer: decodes the completion for stop strings (loaded only if the plan has any).
 
@@ -141,24 +131,31 @@ def run_generation(
     if cancelled.is_set():  # aborted while queued
         return GenerationResult((), FinishReason.ABORT, None, None)
     clear_rope_state(loaded.model)
-    processors = plan.logits_processors(inputs.prompt_len)
     generator = torch.Generator().manual_seed(plan.seed) if plan.do_sample and plan.seed is not None else None
     stop_strings = _StopStrings(plan.stop_strings, tokenizer)
+    guide = grammar_guide(plan.constraint, tokenizer, loaded.facts.vocab_size, plan.stop_token_ids)
     cache = DynamicCache(config=loaded.model.config)
-    sequence = inputs.input_ids
     output: list[int] = []
     with torch.inference_mode():
         logits = _forward(
             loaded, cache, input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, **inputs.mm_kwargs
         )
         while True:
-            token = _choose(plan, processors, sequence, logits, generator)
+            if guide is not None:  # structured output: only the tokens the grammar allows
+                guide.mask(logits)
+            token, logprobs = sample_next(plan, logits, inputs.input_ids, output, generator)
             output.append(token)
-            on_token(token)
+            on_token(token, logprobs)
+            if guide is not None:
+                guide.advance(token)
+                if guide.terminated:  # the grammar is complete (its stop token, when it has one, chosen)
+                    matched_id = token if token in plan.stop_token_ids else None
+                    return GenerationResult(tuple(output), FinishReason.STOP, matched_id, None)
             ended = len(output) >= plan.min_new_tokens
             if ended and token in plan.stop_token_ids:
                 return GenerationResult(tuple(output), FinishReason.STOP, token, None)
-            matched = stop_strings.match(output) if ended else None
+            # vLLM checks stop strings only past min_tokens (v1/engine/detokenizer.py ``update``)
+            matched = stop_strings.match(output) if len(output) > plan.min_new_tokens else None
             if matched is not None:
                 return GenerationResult(tuple(output), FinishReason.STOP, None, matched)
             if len(output) >= plan.max_new_tokens:
@@ -166,5 +163,4 @@ def run_generation(
             if cancelled.is_set():
                 return GenerationResult(tuple(output), FinishReason.ABORT, None, None)
             step = torch.tensor([[token]], dtype=torch.int64)
-            sequence = torch.cat([sequence, step], dim=1)
             logits = _forward(loaded, cache, input_ids=step)

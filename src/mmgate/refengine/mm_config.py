@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from mmgate.options import add_option
 from mmgate.sidecar.config import ProcessingConfig, add_processing_arguments, processing_config
 from mmgate.sidecar.protocol import DEFAULT_REDIS_URL, ENV_REDIS_URL
 
@@ -44,14 +45,19 @@ class MmProcessorConfig:
 
 
 def add_mm_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--mm-processor", default=None,
-                        help=f"off | inprocess | redis: who processes media references "
-                             f"(env {ENV_PROCESSOR}; default off)")
-    parser.add_argument("--mm-redis-url", default=None, help=f"env {ENV_REDIS_URL}, else {DEFAULT_REDIS_URL}")
-    parser.add_argument("--mm-sidecar-namespace", default=None,
-                        help=f"sidecar key namespace (env {ENV_NAMESPACE}; default: derived from the fingerprint)")
-    parser.add_argument("--mm-sidecar-timeout-ms", type=int, default=30_000)
-    parser.add_argument("--mm-sidecar-max-queue", type=int, default=256)
+    """The engine's worker-side media-processing options (one group) and the shared processing groups."""
+    g = parser.add_argument_group("worker-side media processor")
+    add_option(g, "--mm-processor", env_doc=(ENV_PROCESSOR,), metavar="MODE",
+               help="off | inprocess | redis: who processes media references (default off; "
+                    "the source is advertised as mm_processor_source)")
+    add_option(g, "--mm-redis-url", default=DEFAULT_REDIS_URL, env=(ENV_REDIS_URL,), metavar="URL",
+               help="Redis of the media sidecar (--mm-processor redis)")
+    add_option(g, "--mm-sidecar-namespace", env=(ENV_NAMESPACE,), metavar="NS",
+               help="sidecar key namespace (default: derived from the processing fingerprint)")
+    add_option(g, "--mm-sidecar-timeout-ms", type=int, default=30_000, minimum=1,
+               help="longest wait for a sidecar result, milliseconds")
+    add_option(g, "--mm-sidecar-max-queue", type=int, default=256, minimum=1,
+               help="sidecar jobs queued at or above this: 503 overloaded")
     add_processing_arguments(parser)
 
 
@@ -69,7 +75,7 @@ def mm_config(ns: argparse.Namespace, parser: argparse.ArgumentParser, environ: 
     if ns.mm_sidecar_timeout_ms < 1 or ns.mm_sidecar_max_queue < 1:
         parser.error("--mm-sidecar-timeout-ms and --mm-sidecar-max-queue must be positive")
     return MmProcessorConfig(
-        mode=mode, source=source, processing=processing_config(ns, parser),
+        mode=mode, source=source, processing=processing_config(ns, parser, environ),
         redis_url=ns.mm_redis_url or environ.get(ENV_REDIS_URL) or DEFAULT_REDIS_URL,
         namespace=ns.mm_sidecar_namespace or environ.get(ENV_NAMESPACE) or None,
         sidecar_timeout_ms=ns.mm_sidecar_timeout_ms, sidecar_max_queue=ns.mm_sidecar_max_queue,

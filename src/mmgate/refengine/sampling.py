@@ -2,7 +2,7 @@
 
 Stage: engine request intake.  In: the proto ``SamplingParams``, the model's
 facts, the prompt length, the engine's ``--max-tokens-default``; out: a frozen
-:class:`GenerationPlan` and, from it, transformers logits processors.
+:class:`GenerationPlan`, which :mod:`.sampler` applies token by token.
 
 Field reading mirrors ``smg_grpc_servicer/vllm/servicer.py``
 ``_sampling_params_from_proto`` (smg-grpc-servicer 0.14.1): ``top_p`` 0 means
@@ -13,33 +13,31 @@ request asks for sampling.
 
 Stopping: the model's stop ids (config eos, then generation_config extras)
 unless ``ignore_eos``, plus ``stop_token_ids`` always (vLLM keeps those under
-``ignore_eos`` too), plus ``stop`` strings.  Features transformers has no
-equivalent for (``n > 1``, logprobs, structured output, frequency/presence
-penalties, ``logit_bias``) are refused rather than ignored.
+``ignore_eos`` too), plus ``stop`` strings.  Token choice, penalties, ``logit_bias``,
+``min_tokens`` and logprobs follow vLLM's V1 sampler (:mod:`.sampler`); ``n``
+choices are decoded one after another, choice ``i`` seeded with ``seed + i``
+(vLLM ``vllm/v1/engine/parallel_sampling.py`` ``ParentRequest._get_child_sampling_params``).
+``prompt_logprobs`` and ``truncate_prompt_tokens`` are refused rather than ignored
+(the gateway never sends them).  Structured output (the
+``constraint`` oneof) is carried in the plan and applied by :mod:`.constraints`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from smg_grpc_proto.generated import vllm_engine_pb2
-from transformers import (
-    LogitsProcessorList,
-    MinNewTokensLengthLogitsProcessor,
-    MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.refengine.bundle import ModelFacts
+from mmgate.refengine.constraints import read_constraint
+from mmgate.types import Constraint
 
 
 @dataclass(frozen=True, slots=True)
 class GenerationPlan:
-    """How one request is decoded (batch size 1, one choice)."""
+    """How one request is decoded (batch size 1; ``n`` choices one after another, see :meth:`for_choice`)."""
 
     max_new_tokens: int
     min_new_tokens: int
@@ -52,47 +50,29 @@ class GenerationPlan:
     seed: int | None  # seeds this request's own torch.Generator, when set
     stop_token_ids: tuple[int, ...]  # generation ends after emitting one of these
     stop_strings: tuple[str, ...]  # generation ends once the decoded completion contains one
+    constraint: Constraint | None = None  # structured output, applied by refengine.constraints
+    # H-C1: vLLM's other sampling fields (refengine.sampler applies them)
+    n: int = 1  # choices, decoded one after another
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    logprobs: int | None = None  # None: none; k: the sampled token's and the top k per position
+    include_stop_str_in_output: bool = False  # a matched stop string is left in the text (gateway side)
 
-    def logits_processors(self, prompt_len: int) -> LogitsProcessorList:
-        """The transformers processors, in ``GenerationMixin._get_logits_processor``'s order.
-
-        Penalties first (repetition, min-new-tokens), then, when sampling, the
-        warpers: temperature, top-k, top-p, min-p.  Applied to ``[1, vocab]``
-        float32 logits with the ``[1, seq]`` ids so far.
-        """
-        processors = LogitsProcessorList()
-        if self.repetition_penalty != 1.0:
-            processors.append(RepetitionPenaltyLogitsProcessor(penalty=self.repetition_penalty))
-        if self.min_new_tokens > 0 and self.stop_token_ids:
-            processors.append(
-                MinNewTokensLengthLogitsProcessor(prompt_len, self.min_new_tokens, list(self.stop_token_ids))
-            )
-        if self.do_sample:
-            if self.temperature != 1.0:
-                processors.append(TemperatureLogitsWarper(self.temperature))
-            if self.top_k > 0:
-                processors.append(TopKLogitsWarper(top_k=self.top_k))
-            if self.top_p < 1.0:
-                processors.append(TopPLogitsWarper(top_p=self.top_p))
-            if self.min_p > 0.0:
-                processors.append(MinPLogitsWarper(min_p=self.min_p))
-        return processors
+    def for_choice(self, index: int) -> GenerationPlan:
+        """The plan of choice ``index`` of ``n``: seeded ``seed + index`` when seeded (vLLM
+        ``ParentRequest._get_child_sampling_params``, ``vllm/v1/engine/parallel_sampling.py``)."""
+        return replace(self, n=1, seed=self.seed + index if self.seed is not None else None)
 
 
 def _refuse_unsupported(params: vllm_engine_pb2.SamplingParams) -> None:
     def refuse(what: str) -> GatewayError:
         return GatewayError(ErrorCode.INVALID_REQUEST, f"{what} is not supported by the reference engine")
 
-    if params.n > 1:
-        raise refuse("n > 1")
-    if params.HasField("logprobs") or params.HasField("prompt_logprobs"):
-        raise refuse("logprobs")
-    if params.WhichOneof("constraint"):
-        raise refuse(f"structured output ({params.WhichOneof('constraint')})")
-    if params.frequency_penalty or params.presence_penalty:
-        raise refuse("frequency/presence penalty")
-    if params.logit_bias:
-        raise refuse("logit_bias")
+    if params.HasField("prompt_logprobs"):
+        raise refuse("prompt_logprobs")
+    if params.HasField("truncate_prompt_tokens"):
+        raise refuse("truncate_prompt_tokens")
 
 
 def plan_generation(
@@ -146,4 +126,38 @@ def plan_generation(
         seed=params.seed if params.HasField("seed") else None,
         stop_token_ids=tuple(stop_ids),
         stop_strings=tuple(s for s in params.stop if s),
+        constraint=read_constraint(params),
+        **_vllm_extras(params, facts),
     )
+
+
+#: most choices one request may ask of the reference engine (it decodes them one after another)
+MAX_CHOICES = 128
+
+
+def _vllm_extras(params: vllm_engine_pb2.SamplingParams, facts: ModelFacts) -> dict[str, Any]:
+    """The plan fields of ``n``, the penalties, ``logit_bias`` and logprobs, checked as vLLM checks them.
+
+    vLLM ``SamplingParams._verify_args`` (v0.11): penalties in [-2, 2], ``n`` >= 1;
+    ``vllm/v1/engine/processor.py`` ``_validate_logit_bias``: token ids inside the vocabulary;
+    ``logprobs`` -1 means the whole vocabulary.
+
+    Raises:
+        GatewayError(INVALID_REQUEST): a value outside those ranges.
+    """
+    n = params.n if params.n > 0 else 1
+    if n > MAX_CHOICES:
+        raise GatewayError(ErrorCode.INVALID_REQUEST, f"n must be at most {MAX_CHOICES}")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if not -2.0 <= getattr(params, name) <= 2.0:
+            raise GatewayError(ErrorCode.INVALID_REQUEST, f"{name} must be in [-2, 2]")
+    if any(not 0 <= t < facts.vocab_size for t in params.logit_bias):
+        raise GatewayError(ErrorCode.INVALID_REQUEST, "logit_bias has token ids outside the vocabulary")
+    logprobs = None
+    if params.HasField("logprobs"):
+        if params.logprobs < -1:
+            raise GatewayError(ErrorCode.INVALID_REQUEST, "logprobs must be -1 (all) or >= 0")
+        logprobs = facts.vocab_size if params.logprobs == -1 else min(params.logprobs, facts.vocab_size)
+    return {"n": n, "frequency_penalty": params.frequency_penalty, "presence_penalty": params.presence_penalty,
+            "logit_bias": tuple(sorted(params.logit_bias.items())), "logprobs": logprobs,
+            "include_stop_str_in_output": params.include_stop_str_in_output}

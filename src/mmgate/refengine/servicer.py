@@ -16,7 +16,14 @@ Generate streaming (``stream=true``): one ``GenerateStreamChunk`` per token
 (``token_ids`` = the new token, ``completion_tokens`` = 1, a delta, as the
 vLLM servicer's ``_chunk_response`` sends), then one ``GenerateComplete``
 carrying the totals: every output id, ``completion_tokens`` = their count.
-Non-streaming: the ``GenerateComplete`` only.
+Non-streaming: the ``GenerateComplete`` only.  ``n`` choices are decoded one
+after another; each chunk and each ``GenerateComplete`` carries its choice's
+``index`` and the stream ends after the last choice's ``GenerateComplete`` (the
+SMG servicer's ``Generate``: a Complete per finished choice).  Logprobs, when the
+request asks for them, ride as ``output_logprobs`` (``OutputLogProbs``: the
+sampled token's logprob and id per position, ``top_logprobs`` only when k > 0,
+as ``_build_output_logprobs`` fills them): per token on each chunk, and all of a
+choice's on a non-streamed ``GenerateComplete``.
 
 Errors: a refused request ends the RPC with ``INVALID_ARGUMENT`` and the
 reason as details: the engine's own checks (:class:`GatewayError`) and any
@@ -37,6 +44,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import grpc
@@ -46,7 +54,8 @@ from mmgate.engines.vllm import carried_error_details
 from mmgate.errors import ERROR_TABLE, ErrorCode, GatewayError
 from mmgate.refengine.bundle import LazyTokenizer, LoadedModel
 from mmgate.refengine.config import EngineConfig
-from mmgate.refengine.generation import GenerationResult, run_generation
+from mmgate.refengine.generation import FinishReason, GenerationResult, run_generation
+from mmgate.refengine.sampler import TokenLogprobs
 from mmgate.refengine.device_normalize import DeviceNormalizer
 from mmgate.refengine.mm_inputs import ModelInputs, build_model_inputs
 from mmgate.refengine.mm_processor import WorkerMedia, media_rpc_status
@@ -62,6 +71,40 @@ MANAGEMENT_THREADS = 4
 #: exceptions the model code raises for inputs it refuses (the request's fault)
 MODEL_INPUT_ERRORS = (ValueError, TypeError, IndexError, RuntimeError)
 _DONE = object()
+
+
+@dataclass(frozen=True, slots=True)
+class _Token:
+    """A generated token of choice ``index`` (an event from the model thread)."""
+
+    index: int
+    token: int
+    logprobs: TokenLogprobs | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Choice:
+    """Choice ``index`` finished (an event from the model thread)."""
+
+    index: int
+    result: GenerationResult
+
+
+def output_logprobs(entries: list[TokenLogprobs], k: int) -> vllm_engine_pb2.OutputLogProbs | None:
+    """``OutputLogProbs`` of some positions, as the SMG servicer's ``_build_output_logprobs`` fills it.
+
+    ``token_logprobs`` / ``token_ids``: the sampled token's per position;
+    ``top_logprobs``: one ``TopLogProbs`` (ids and values, most likely first) per
+    position, only when ``k`` > 0.  None when there are no positions.
+    """
+    if not entries:
+        return None
+    proto = vllm_engine_pb2.OutputLogProbs(token_logprobs=[e.logprob for e in entries],
+                                           token_ids=[e.token_id for e in entries])
+    if k > 0:
+        proto.top_logprobs.extend(vllm_engine_pb2.TopLogProbs(values=list(e.top_logprobs[:k]),
+                                                              token_ids=list(e.top_ids[:k])) for e in entries)
+    return proto
 
 
 def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -131,9 +174,10 @@ class RefEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already running")
             self._active[request_id] = cancelled
         context.add_callback(cancelled.set)  # client gone or deadline passed
+        last_choice = max(request.sampling_params.n, 1) - 1
         try:
             for response in self._generate(request, context, cancelled):
-                if response.HasField("complete"):
+                if response.HasField("complete") and response.complete.index == last_choice:
                     self._finish(request_id, cancelled)  # no longer active once the client can see the end
                 yield response
         finally:
@@ -168,30 +212,61 @@ class RefEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, "engine is shutting down")
         future.add_done_callback(lambda _: events.put(_DONE))
         prompt_tokens = inputs.prompt_len
+        k = plan.logprobs or 0
+        logprobs: list[list[TokenLogprobs]] = [[] for _ in range(plan.n)]
+        finished: list[_Choice] = []
         while (item := events.get()) is not _DONE:
-            if request.stream:
-                yield vllm_engine_pb2.GenerateResponse(
-                    chunk=vllm_engine_pb2.GenerateStreamChunk(
-                        token_ids=[item], prompt_tokens=prompt_tokens, completion_tokens=1
+            if isinstance(item, _Token):
+                if item.logprobs is not None:
+                    logprobs[item.index].append(item.logprobs)
+                if request.stream:
+                    chunk = vllm_engine_pb2.GenerateStreamChunk(
+                        token_ids=[item.token], prompt_tokens=prompt_tokens, completion_tokens=1, index=item.index,
+                        output_logprobs=output_logprobs([item.logprobs] if item.logprobs else [], k),
                     )
-                )
-        result = self._result(future, request.request_id, context)
-        if result is not None:
-            yield vllm_engine_pb2.GenerateResponse(complete=self._complete(result, prompt_tokens))
+                    yield vllm_engine_pb2.GenerateResponse(chunk=chunk)
+            elif isinstance(item, _Choice):
+                finished.append(item)
+                if item.index < plan.n - 1:  # the last one is sent once the model thread has ended cleanly
+                    yield self._choice_complete(item, prompt_tokens, request.stream, logprobs, k)
+        last = finished[-1] if finished and finished[-1].index == plan.n - 1 else None  # not sent yet
+        if self._result(future, request.request_id, context) is not None and last is not None:
+            yield self._choice_complete(last, prompt_tokens, request.stream, logprobs, k)
+
+    def _choice_complete(self, choice: _Choice, prompt_tokens: int, stream: bool,
+                         logprobs: list[list[TokenLogprobs]], k: int) -> vllm_engine_pb2.GenerateResponse:
+        complete = self._complete(choice.result, prompt_tokens)
+        complete.index = choice.index
+        if not stream:  # a stream carried them on its chunks
+            entries = output_logprobs(logprobs[choice.index], k)
+            if entries is not None:
+                complete.output_logprobs.CopyFrom(entries)
+        return vllm_engine_pb2.GenerateResponse(complete=complete)
 
     def _run(
         self, inputs: ModelInputs, plan: GenerationPlan, events: queue.Queue[object], cancelled: threading.Event
-    ) -> GenerationResult:
+    ) -> GenerationResult | None:
+        """Decode the ``n`` choices one after another; an aborted choice ends them all."""
         with self._lock:
             self._running += 1
         try:
-            return run_generation(self._loaded, inputs, plan, events.put, cancelled, self._tokenizer)
+            result = None
+            for index in range(plan.n):
+                def on_token(token: int, lp: TokenLogprobs | None, index: int = index) -> None:
+                    events.put(_Token(index, token, lp))
+
+                result = run_generation(self._loaded, inputs, plan.for_choice(index), on_token, cancelled,
+                                        self._tokenizer)
+                events.put(_Choice(index, result))
+                if result.finish_reason is FinishReason.ABORT:
+                    break
+            return result
         finally:
             with self._lock:
                 self._running -= 1
 
     def _result(
-        self, future: Future[GenerationResult], request_id: str, context: grpc.ServicerContext
+        self, future: Future[GenerationResult | None], request_id: str, context: grpc.ServicerContext
     ) -> GenerationResult | None:
         exc = future.exception() if not future.cancelled() else None
         if future.cancelled():

@@ -15,7 +15,11 @@ Health tells busy from dead (:class:`HealthPolicy`, :meth:`Worker.record_probe`)
   message) within ``busy_grace_s``;
 * any other failed probe counts; ``unhealthy_after`` consecutive ones make the
   worker unhealthy.
-The counts are shown by ``GET /workers``.
+The counts are shown by ``GET /workers``, with each worker's labels: what its
+GetModelInfo / GetServerInfo say (``supports_vision``, ``shm_namespace_id``,
+``mm_processor``, ``mm_processor_source``, ``mm_media_ref_schemes``, ...) plus the
+gateway's own ``wire`` (the engine protocol it speaks, ``vllm``) and ``role``
+(``single``: no prefill/decode split), as SMG's ``/workers`` shows them.
 
 Capability: a worker whose model reports ``supports_vision = false`` cannot
 take image or video input; a request carrying them is refused with
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from mmgate import metrics
+from mmgate.engines.vllm import ENGINE
 from mmgate.engines.vllm_client import Probe, ProbeOutcome, VllmWorkerClient, WorkerInfo
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.types import Modality
@@ -85,6 +90,11 @@ class Worker:
     failures: int = 0  # consecutive failed probes (busy timeouts excluded); 0 after any pass
     busy_probes: int = 0  # consecutive probes that timed out while busy (not counted as failures)
     last_probe: str = ""  # ProbeOutcome of the last probe, or "busy"
+    wire: str = ENGINE  # the engine protocol this worker is spoken to with (label ``wire``)
+    role: str = "single"  # single | prefill | decode | encode (label ``role``); mmgate dispatches single only
+
+    def __post_init__(self) -> None:
+        self.labels = {**self.labels, "wire": self.wire, "role": self.role}
 
     def record_probe(self, probe: Probe, policy: HealthPolicy, now: float, last_answer: float) -> bool:
         """Apply one probe's result to ``healthy`` and the counts; returns the new ``healthy``.
@@ -97,7 +107,7 @@ class Worker:
             self.healthy = True
             if probe.info is not None:
                 self.info = probe.info
-                self.labels = dict(probe.info.labels)
+                self.labels = {**probe.info.labels, "wire": self.wire, "role": self.role}
             self.last_probe = outcome.value
             return True
         if (outcome is ProbeOutcome.TIMEOUT and self.in_flight > 0

@@ -84,6 +84,8 @@ def processing_fingerprint(runtime: ModelRuntime, config: ProcessingConfig) -> t
         "family": family.fingerprint if family is not None else "",
         "video": video,
         "fetch": fetch, "item_limits": dict(sorted(config.item_limits.items())),
+        "video_decode": {"max_decoded_pixels": config.video.max_decoded_pixels,
+                         "apply_rotation": config.video.apply_rotation},
     }
     digest = hashlib.sha256(json.dumps(description, sort_keys=True, default=str).encode()).hexdigest()
     return digest, description
@@ -116,7 +118,7 @@ class MediaProcessor:
         self.fingerprint, self.description = processing_fingerprint(runtime, config)
         self.schemes: tuple[str, ...] = tuple(sorted(ALLOWED_SCHEMES))
         self._settings = Settings(model=str(runtime.bundle.path), image_backend=config.image_backend,
-                                  item_limits=dict(config.item_limits), fetch=config.fetch)
+                                  item_limits=dict(config.item_limits), fetch=config.fetch, video=config.video)
         self._executor = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="mmgate-mm")
         self._pipeline: Pipeline | None = None
 

@@ -42,6 +42,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from mmgate.errors import GatewayError
+from mmgate.options import add_option
 from mmgate.settings import ENV_MODEL_PATH, split_search_path
 from mmgate.sidecar.config import ProcessingConfig, add_processing_arguments, processing_config
 from mmgate.sidecar.processor import MediaProcessor, item_index, load_runtime, refs_from_items
@@ -218,16 +219,20 @@ class Sidecar:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mmgate sidecar",
                                 description="GPU-free media-processing sidecar for workers (Redis lists).")
-    p.add_argument("--model", required=True, help="model bundle: a folder, or org/name on the model search path")
-    p.add_argument("--model-path", default=None, help=f"search path of bundle folders (env {ENV_MODEL_PATH})")
-    p.add_argument("--redis-url", default=None, help=f"env {ENV_REDIS_URL}, else {DEFAULT_REDIS_URL}")
-    p.add_argument("--namespace", default=None, help="key namespace (default: derived from the fingerprint)")
-    p.add_argument("--concurrency", type=int, default=2, help="jobs processed at once")
-    p.add_argument("--max-result-bytes", type=int, default=DEFAULT_MAX_RESULT_BYTES,
-                   help="results at or above this are not pushed (lowered to redis proto-max-bulk-len)")
-    p.add_argument("--hello-ttl-s", type=float, default=HELLO_TTL_S, help="expiry of the hello key")
-    p.add_argument("--hello-refresh-s", type=float, default=HELLO_REFRESH_S, help="how often the hello is rewritten")
-    p.add_argument("--log-level", default="info")
+    g = p.add_argument_group("sidecar")
+    add_option(g, "--model", required=True, help="model bundle: a folder, or org/name on the model search path")
+    add_option(g, "--model-path", env=(ENV_MODEL_PATH,), metavar="DIRS",
+               help="search path of bundle folders, os.pathsep-separated")
+    add_option(g, "--redis-url", default=DEFAULT_REDIS_URL, env=(ENV_REDIS_URL,), metavar="URL",
+               help="Redis the jobs and results travel through")
+    add_option(g, "--namespace", metavar="NS", help="key namespace (default: derived from the fingerprint)")
+    add_option(g, "--concurrency", type=int, default=2, help="jobs processed at once")
+    add_option(g, "--max-result-bytes", type=int, default=DEFAULT_MAX_RESULT_BYTES,
+               help="results at or above this are not pushed (lowered to redis proto-max-bulk-len)")
+    add_option(g, "--hello-ttl-s", type=float, default=HELLO_TTL_S, help="expiry of the hello key, seconds")
+    add_option(g, "--hello-refresh-s", type=float, default=HELLO_REFRESH_S,
+               help="how often the hello is rewritten, seconds")
+    add_option(g, "--log-level", default="info", help="log level")
     add_processing_arguments(p)
     return p
 
@@ -257,7 +262,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         parser.error("--concurrency, --max-result-bytes, --hello-ttl-s and --hello-refresh-s must be positive")
     if ns.hello_refresh_s >= ns.hello_ttl_s:
         parser.error("--hello-refresh-s must be shorter than --hello-ttl-s")
-    config = processing_config(ns, parser)
+    config = processing_config(ns, parser, env)
     logging.basicConfig(stream=sys.stderr, level=ns.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     redis_url = ns.redis_url or env.get(ENV_REDIS_URL) or DEFAULT_REDIS_URL

@@ -1,0 +1,260 @@
+"""Structured outputs and tool choice of a chat request -> one :class:`~mmgate.types.Constraint`.
+
+Stage: api (checked by ``parse_chat_request``) and pipeline (``Pipeline._sampling``
+maps the request's constraint onto :class:`~mmgate.types.SamplingParams`).  In: a
+decoded :class:`~mmgate.api.protocol.ChatCompletionRequest`; out: the constraint
+(or ``None``) and the request's :class:`ToolMode`.
+
+Sources of a constraint, at most one per request (vLLM refuses more than one:
+``ChatCompletionRequest.check_structured_outputs_count``, ``vllm/entrypoints/openai/protocol.py``):
+``response_format`` (``json_object``, ``json_schema``; ``text`` is none), vLLM's
+``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``, the
+fields of vLLM's ``structured_outputs`` object, and ``tool_choice`` ``"required"`` or
+a named function.  The tool-choice schemas are vLLM's
+(``ChatCompletionRequest._get_json_schema_from_tool``, v0.11): ``"required"`` -> a
+JSON array of at least one ``{"name", "parameters"}`` object, one ``anyOf`` branch
+per tool (``$defs`` of the tools hoisted); a named function -> that function's
+``parameters`` schema, the whole output being its arguments.
+
+Invariants: every refusal is a 400 ``invalid_request`` whose ``param`` names the
+field and whose message never quotes the caller's value.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import msgspec
+
+from mmgate.api.protocol import ChatCompletionRequest, NamedToolChoice, Tool
+from mmgate.errors import ErrorCode, GatewayError
+from mmgate.types import Constraint, ConstraintKind
+
+#: ``response_format.type`` values (OpenAI's three)
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+#: ``tool_choice`` strings (OpenAI's)
+TOOL_CHOICES = ("none", "auto", "required")
+#: most entries of ``guided_choice`` / ``structured_outputs.choice``
+MAX_CHOICES = 1024
+
+
+class ToolMode(StrEnum):
+    """How the output of a request is read for tool calls (:mod:`mmgate.api.tool_parsing`)."""
+
+    NONE = "none"  # no tools, or tool_choice "none": the output is content
+    AUTO = "auto"  # the model may call tools in the Qwen (hermes) format; parsed out of the text
+    REQUIRED = "required"  # the output is a JSON array of {"name", "parameters"} (constrained)
+    NAMED = "named"  # the output is the named function's arguments (constrained)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolChoice:
+    """The request's tool mode, and the function name when ``mode`` is ``NAMED``."""
+
+    mode: ToolMode
+    name: str | None = None
+
+
+def _refuse(message: str, param: str) -> GatewayError:
+    return GatewayError(ErrorCode.INVALID_REQUEST, message, param)
+
+
+def _schema_object(value: Any, param: str) -> dict[str, Any]:
+    """A JSON schema given as an object or as its JSON text; refused unless it is a JSON object."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise _refuse(f"{param} must be a JSON schema (a JSON object or its JSON text)", param) from None
+    if not isinstance(value, dict):
+        raise _refuse(f"{param} must be a JSON schema (a JSON object)", param)
+    return value
+
+
+def _regex(value: str, param: str) -> Constraint:
+    try:
+        re.compile(value)
+    except (re.error, RecursionError, OverflowError):
+        raise _refuse(f"{param} must be a valid regular expression", param) from None
+    return Constraint(ConstraintKind.REGEX, value)
+
+
+def _choice(value: list[str], param: str) -> Constraint:
+    if not 1 <= len(value) <= MAX_CHOICES:
+        raise _refuse(f"{param} must be a list of 1 to {MAX_CHOICES} strings", param)
+    return Constraint(ConstraintKind.CHOICE, json.dumps(value))
+
+
+def _grammar(value: str, param: str) -> Constraint:
+    if not value.strip():
+        raise _refuse(f"{param} must be a non-empty grammar", param)
+    return Constraint(ConstraintKind.GRAMMAR, value)
+
+
+def _json_schema(value: Any, param: str) -> Constraint:
+    return Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(_schema_object(value, param)))
+
+
+def _response_format(req: ChatCompletionRequest) -> Constraint | None:
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return Constraint(ConstraintKind.JSON_OBJECT, "")
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise _refuse("response_format of type json_schema needs json_schema", "response_format.json_schema")
+        return _json_schema(fmt.json_schema.schema, "response_format.json_schema.schema")
+    raise _refuse(f"response_format.type must be one of {', '.join(RESPONSE_FORMAT_TYPES)}", "response_format.type")
+
+
+def _structured_outputs(req: ChatCompletionRequest) -> list[tuple[str, Constraint]]:
+    so = req.structured_outputs
+    if so is None:
+        return []
+    found: list[tuple[str, Constraint]] = []
+    if so.json is not None:
+        found.append(("structured_outputs.json", _json_schema(so.json, "structured_outputs.json")))
+    if so.regex is not None:
+        found.append(("structured_outputs.regex", _regex(so.regex, "structured_outputs.regex")))
+    if so.choice is not None:
+        found.append(("structured_outputs.choice", _choice(so.choice, "structured_outputs.choice")))
+    if so.grammar is not None:
+        found.append(("structured_outputs.grammar", _grammar(so.grammar, "structured_outputs.grammar")))
+    if so.json_object:
+        found.append(("structured_outputs.json_object", Constraint(ConstraintKind.JSON_OBJECT, "")))
+    if so.structural_tag is not None:
+        _schema_object(so.structural_tag, "structured_outputs.structural_tag")
+        found.append(("structured_outputs.structural_tag",
+                      Constraint(ConstraintKind.STRUCTURAL_TAG, so.structural_tag)))
+    return found
+
+
+def tool_choice(req: ChatCompletionRequest) -> ToolChoice:
+    """The request's :class:`ToolChoice` (OpenAI's default: ``"auto"`` with tools, ``"none"`` without).
+
+    Raises:
+        GatewayError(INVALID_REQUEST): an unknown ``tool_choice`` string; ``"required"`` or a
+            named function without ``tools``; a named function that is not among ``tools``
+            (vLLM ``ChatCompletionRequest.check_tool_usage``).
+    """
+    choice = req.tool_choice
+    tools = req.tools or []
+    if isinstance(choice, NamedToolChoice):
+        if choice.type != "function":
+            raise _refuse("tool_choice.type must be function", "tool_choice.type")
+        if not any(t.function.name == choice.function.name for t in tools):
+            raise _refuse("tool_choice names a function that is not in tools", "tool_choice.function.name")
+        return ToolChoice(ToolMode.NAMED, choice.function.name)
+    if choice is None:
+        return ToolChoice(ToolMode.AUTO if tools else ToolMode.NONE)
+    if choice not in TOOL_CHOICES:
+        raise _refuse(f"tool_choice must be one of {', '.join(TOOL_CHOICES)} or a named function", "tool_choice")
+    if choice == "required" and not tools:
+        raise _refuse("tool_choice required needs tools", "tool_choice")
+    if choice == "none" or not tools:
+        return ToolChoice(ToolMode.NONE)
+    return ToolChoice(ToolMode(choice))
+
+
+def _check_tools(tools: list[Tool]) -> None:
+    for i, tool in enumerate(tools):
+        if tool.type != "function":
+            raise _refuse("tools[].type must be function", f"tools[{i}].type")
+        if not tool.function.name:
+            raise _refuse("a tool's function name must not be empty", f"tools[{i}].function.name")
+
+
+def _tool_parameters(tool: Tool) -> dict[str, Any]:
+    """A tool's parameters schema (an empty object schema when it has none), as vLLM's ``_get_tool_schema``."""
+    return dict(tool.function.parameters) if tool.function.parameters else {"type": "object", "properties": {}}
+
+
+def required_tools_schema(tools: list[Tool], parallel: bool = True) -> dict[str, Any]:
+    """The JSON schema of ``tool_choice: "required"`` (vLLM ``_get_json_schema_from_tool``, v0.11).
+
+    ``{"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [one per tool]}}``
+    where a tool's branch is ``{"properties": {"name": {"type": "string", "enum": [name]},
+    "parameters": <its parameters>}, "required": ["name", "parameters"]}``; the tools'
+    ``$defs`` move to the top (refused when two tools define one name differently).
+    ``parallel=False`` (``parallel_tool_calls: false``) adds ``"maxItems": 1``: one call at
+    most, enforced by the grammar (vLLM keeps only the first call after the fact).
+
+    Raises:
+        GatewayError(INVALID_REQUEST): conflicting ``$defs``.
+    """
+    defs: dict[str, Any] = {}
+    branches = []
+    for i, tool in enumerate(tools):
+        params = _tool_parameters(tool)
+        for name, definition in (params.pop("$defs", None) or {}).items():
+            if name in defs and defs[name] != definition:
+                raise _refuse("two tools define one $defs name differently", f"tools[{i}].function.parameters")
+            defs[name] = definition
+        branches.append({"properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                                        "parameters": params},
+                         "required": ["name", "parameters"]})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": branches}}
+    if not parallel:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def request_constraint(req: ChatCompletionRequest) -> Constraint | None:
+    """The request's one structured-output constraint, checked (``None`` when it has none).
+
+    Raises:
+        GatewayError(INVALID_REQUEST): more than one constraint (``param`` names the first
+            two fields), a schema that is not a JSON object, a regex that does not compile,
+            an empty choice list or grammar, an unknown ``response_format.type`` or
+            ``tool_choice``, a tool that is not a function.
+    """
+    found: list[tuple[str, Constraint]] = []
+    fmt = _response_format(req)
+    if fmt is not None:
+        found.append(("response_format", fmt))
+    if req.guided_json is not None:
+        found.append(("guided_json", _json_schema(req.guided_json, "guided_json")))
+    if req.guided_regex is not None:
+        found.append(("guided_regex", _regex(req.guided_regex, "guided_regex")))
+    if req.guided_choice is not None:
+        found.append(("guided_choice", _choice(req.guided_choice, "guided_choice")))
+    if req.guided_grammar is not None:
+        found.append(("guided_grammar", _grammar(req.guided_grammar, "guided_grammar")))
+    found += _structured_outputs(req)
+    _check_tools(req.tools or [])
+    choice = tool_choice(req)
+    tools = req.tools or []
+    if choice.mode is ToolMode.REQUIRED:
+        schema = json.dumps(required_tools_schema(tools, parallel=req.parallel_tool_calls is not False))
+        found.append(("tool_choice", Constraint(ConstraintKind.JSON_SCHEMA, schema)))
+    elif choice.mode is ToolMode.NAMED:
+        tool = next(t for t in tools if t.function.name == choice.name)
+        found.append(("tool_choice", Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(_tool_parameters(tool)))))
+    if len(found) > 1:
+        names = [name for name, _ in found]
+        raise _refuse("at most one structured-output constraint per request; this one sets "
+                      + ", ".join(names), names[1])
+    return found[0][1] if found else None
+
+
+def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The request's tools as the chat template receives them (``None`` without tools).
+
+    As vLLM passes ``[tool.model_dump() for tool in request.tools]`` to the template
+    (``serving_chat.py``), without the fields the caller left unset; the Qwen templates
+    render each with ``tool | tojson`` inside ``<tools></tools>``.
+    """
+    if not req.tools:
+        return None
+    out = []
+    for tool in req.tools:
+        function = {k: v for k, v in msgspec.to_builtins(tool.function).items() if v is not None}
+        out.append({"type": tool.type, "function": function})
+    return out
