@@ -87,6 +87,7 @@ class HealthWatch:
     polls: int = 0
     failures: list[str] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
+    _first: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
     def _run(self) -> None:
@@ -99,11 +100,13 @@ class HealthWatch:
                     self.failures.append(type(exc).__name__)
                 self.worst_s = max(self.worst_s, time.perf_counter() - start)
                 self.polls += 1
+                self._first.set()
                 self._stop.wait(self.interval_s)
 
     def __enter__(self) -> HealthWatch:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
+        self._first.wait(timeout=5.0)  # the attack starts once /health has been seen answering
         return self
 
     def __exit__(self, *exc: object) -> None:
