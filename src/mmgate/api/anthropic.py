@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from tokenizers.decoders import DecodeStream
 
 from mmgate import metrics
@@ -53,6 +53,7 @@ from mmgate.api.protocol import (
     TextPart,
     check_json_depth,
 )
+from mmgate.api.responses import EngineStreamingResponse
 from mmgate.errors import ErrorCode, GatewayError
 
 if TYPE_CHECKING:
@@ -408,8 +409,8 @@ async def answer_messages(state: GatewayState, req: MessagesRequest) -> Response
     headers = {**answer.headers, "request-id": answer.headers.get("X-Request-Id", "")}
     tokenizer = state.runtime.tokenizer
     if req.stream:
-        return StreamingResponse(message_events(answer, tokenizer, stops), media_type="text/event-stream",
-                                 headers=headers)
+        return EngineStreamingResponse(message_events(answer, tokenizer, stops), answer.release, answer.rest,
+                                       headers)
     try:
         body = await message_body(answer, tokenizer, stops)
     finally:
@@ -424,16 +425,22 @@ def register_anthropic(app: FastAPI, state: GatewayState, body_limit: int) -> No
     The ``anthropic-version`` and ``x-api-key`` headers are accepted and ignored.  Every failure,
     unexpected ones included (500 ``api_error``, logged), is answered in Anthropic's error shape.
     """
-    from mmgate.api.app import error_response, read_body  # app.py imports this module
+    from mmgate.api.app import error_response, parse_off_loop, read_body  # app.py imports this module
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         has_system = False
         try:
-            req = parse_messages_request(await read_body(request, body_limit, state.settings.http))
-            has_system = bool(req.system)
-            metrics.REQUESTS.labels(state.runtime.served_name, str(req.stream).lower()).inc()
-            return await until_disconnect(request, answer_messages(state, req))
+            body = await read_body(request, body_limit, state.settings.http)
+            untrim = state.budget.trimmer.hold(len(body)) if state.budget.trimmer is not None else None
+            try:
+                req = await parse_off_loop(state, parse_messages_request, body)
+                has_system = bool(req.system)
+                metrics.REQUESTS.labels(state.runtime.served_name, str(req.stream).lower()).inc()
+                return await until_disconnect(request, answer_messages(state, req))
+            finally:
+                if untrim is not None:
+                    untrim()
         except GatewayError as exc:
             return anthropic_error_response(_anthropic_param(exc, has_system), error_response)
         except Exception:

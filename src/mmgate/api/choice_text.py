@@ -81,10 +81,15 @@ class ChoiceText:
             frozenset() if sampling.skip_special_tokens else _special_ids(tokenizer))
         self._buffer = max(map(len, self._stops)) - 1 if self._stops and not self._include else 0
         self._held: int | None = None
-        self._emitted = 0
         self._stopped = False
         self._pieces: dict[int, str] = {}
-        self.text = ""
+        # Text handed out is never cut again (a stop cut lands at or after it): it is kept as parts, and
+        # only the pending text plus a tail of the handed-out text (for a stop string that began in it)
+        # is searched and sliced, so a long answer costs linear time.
+        self._sent: list[str] = []
+        self._pending = ""
+        self._tail = ""
+        self._window = max(map(len, self._stops), default=0)
         self.tokens = 0  # every generated token, a final stop token included
         self.logprobs: list[dict[str, Any]] | None = [] if sampling.logprobs is not None else None
 
@@ -106,30 +111,42 @@ class ChoiceText:
     def finish(self, complete: vllm_engine_pb2.GenerateComplete) -> str:
         """The choice ended: settle a held stop token; the rest of the text."""
         if self._held is not None:
-            ended_on_it = complete.WhichOneof("matched_stop") == "matched_token_id" and \
-                complete.matched_token_id == self._held
+            # vLLM drops the last token whenever the engine stopped on a token (``stop_terminated``);
+            # the SMG servicer leaves ``matched_stop`` empty for EOS, so a plain "stop" counts too.
+            matched = complete.WhichOneof("matched_stop")
+            ended_on_it = (matched == "matched_token_id" and complete.matched_token_id == self._held) or (
+                matched is None and complete.finish_reason == "stop")
             if self._include or not ended_on_it:
                 self._decode(self._held)
             self._held = None
         return self._take(finished=True)
 
+    @property
+    def text(self) -> str:
+        """The whole text so far (handed out and pending)."""
+        return "".join(self._sent) + self._pending
+
     def _decode(self, token: int) -> None:
         piece = self._decoder.step(self._tokenizer.tokenizer, token) or ""
         if self._stopped or not piece:
             return
-        self.text += piece
+        self._pending += piece
         if self.tokens > self._min_tokens:
-            hit = check_stop_strings(self.text, len(piece), self._stops, self._include)
+            window = self._tail + self._pending
+            hit = check_stop_strings(window, len(piece), self._stops, self._include)
             if hit is not None:
                 self._stopped = True
                 if hit[1] != -1:
-                    self.text = self.text[:max(hit[1], self._emitted)]
+                    self._pending = self._pending[:max(hit[1] - len(self._tail), 0)]
 
     def _take(self, finished: bool) -> str:
-        end = len(self.text) - (0 if finished or self._stopped else self._buffer)
-        if end <= self._emitted:
+        end = len(self._pending) - (0 if finished or self._stopped else self._buffer)
+        if end <= 0:
             return ""
-        out, self._emitted = self.text[self._emitted:end], end
+        out, self._pending = self._pending[:end], self._pending[end:]
+        self._sent.append(out)
+        if self._window:
+            self._tail = (self._tail + out)[-self._window:]
         return out
 
     def _piece(self, token: int) -> str:

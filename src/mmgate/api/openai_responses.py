@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from mmgate import metrics
 from mmgate.api.answer import EngineAnswer, start_chat
@@ -52,6 +52,7 @@ from mmgate.api.protocol import (
     TextPart,
     check_json_depth,
 )
+from mmgate.api.responses import EngineStreamingResponse
 from mmgate.errors import ErrorCode, GatewayError
 
 if TYPE_CHECKING:
@@ -457,7 +458,7 @@ async def answer_responses(state: GatewayState, req: ResponsesRequest) -> Respon
     tokenizer = state.runtime.tokenizer
     if req.stream:
         events = response_events(req, answer, tokenizer, answer.release)
-        return StreamingResponse(events, media_type="text/event-stream", headers=answer.headers)
+        return EngineStreamingResponse(events, answer.release, answer.rest, answer.headers)
     try:
         body = await response_body(req, answer, tokenizer)
     finally:
@@ -469,11 +470,17 @@ async def answer_responses(state: GatewayState, req: ResponsesRequest) -> Respon
 def register_responses(app: FastAPI, state: GatewayState, body_limit: int) -> None:
     """Add ``POST /v1/responses`` to ``app`` (body read within ``state.settings.http``'s deadlines and
     ``body_limit`` bytes, as the chat endpoint's; the work cancelled when the client leaves)."""
-    from mmgate.api.app import read_body
+    from mmgate.api.app import parse_off_loop, read_body
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        req = parse_responses_request(await read_body(request, body_limit, state.settings.http))
-        metrics.REQUESTS.labels(state.runtime.served_name, str(req.stream).lower()).inc()
-        return await until_disconnect(request, answer_responses(state, req))
+        body = await read_body(request, body_limit, state.settings.http)
+        untrim = state.budget.trimmer.hold(len(body)) if state.budget.trimmer is not None else None
+        try:
+            req = await parse_off_loop(state, parse_responses_request, body)
+            metrics.REQUESTS.labels(state.runtime.served_name, str(req.stream).lower()).inc()
+            return await until_disconnect(request, answer_responses(state, req))
+        finally:
+            if untrim is not None:
+                untrim()
 

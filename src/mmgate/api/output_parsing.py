@@ -105,4 +105,6 @@ class OutputStream:
 def output_parsing(req: ChatCompletionRequest, chat_template: str | None) -> OutputParsing:
     """The parsers for ``req``'s output on a model with this chat template (see the module docstring)."""
     constrained = request_constraint(req) is not None
-    return OutputParsing(tools=tool_choice(req), reasoning=template_thinks(chat_template) and not constrained)
+    thinking_off = (req.chat_template_kwargs or {}).get("enable_thinking") is False  # the template closes <think>
+    return OutputParsing(tools=tool_choice(req),
+                         reasoning=template_thinks(chat_template) and not constrained and not thinking_off)

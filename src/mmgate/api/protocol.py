@@ -274,7 +274,12 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
     _check_template_kwargs(req.chat_template_kwargs)
     _check_hints(req)
     from mmgate.api.structured import request_constraint  # noqa: PLC0415 - structured imports this module
-    request_constraint(req)  # structured outputs and tool_choice: at most one constraint, each checked
+    constraint = request_constraint(req)  # structured outputs and tool_choice: at most one constraint, each checked
+    if constraint is not None and req.min_tokens:
+        # The grammar may allow only its stop token while min_tokens masks it: nothing would be left.
+        raise GatewayError(ErrorCode.INVALID_REQUEST,
+                           "min_tokens cannot be combined with a structured-output or tool-choice constraint",
+                           "min_tokens")
     if req.top_k == -1:
         req = msgspec.structs.replace(req, top_k=0)
     return req

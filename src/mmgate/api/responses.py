@@ -29,6 +29,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2
 from mmgate import metrics
 from mmgate.api.choice_text import ChoiceText
 from mmgate.api.output_parsing import PLAIN, OutputParsing
+from mmgate.api.structured import ToolMode
 from mmgate.chat.tokenizer import BundleTokenizer
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.types import PreparedRequest
@@ -102,7 +103,7 @@ async def completion_body(prepared: PreparedRequest, first: vllm_engine_pb2.Gene
     for i in range(n):
         message, called = parsing.message(texts[i].text, prepared.prompt_text)  # H-C2: reasoning, tool calls
         choices.append({"index": i, "message": message, "logprobs": texts[i].take_logprobs(),
-                        "finish_reason": _tool_finish(_finish_reason(completes[i]), called)})
+                        "finish_reason": _tool_finish(_finish_reason(completes[i]), called, parsing)})
     any_complete = next(iter(completes.values()))
     return {
         "id": prepared.request_id, "object": "chat.completion", "created": int(time.time()), "model": prepared.model,
@@ -110,8 +111,12 @@ async def completion_body(prepared: PreparedRequest, first: vllm_engine_pb2.Gene
     }
 
 
-def _tool_finish(finish: str, called: bool) -> str:
-    """``tool_calls`` for a choice that called tools and stopped on its own (a cut-off one stays ``length``)."""
+def _tool_finish(finish: str, called: bool, parsing: OutputParsing) -> str:
+    """``tool_calls`` for a choice that called tools and stopped on its own (a cut-off one stays
+    ``length``), with ``tool_choice`` auto or required; a named function forced by ``tool_choice``
+    finishes ``stop``, as vLLM (``is_finish_reason_tool_calls``) and OpenAI report it."""
+    if parsing.tools.mode is ToolMode.NAMED:
+        return finish
     return "tool_calls" if called and finish == "stop" else finish
 
 
@@ -173,7 +178,7 @@ async def sse_stream(prepared: PreparedRequest, first: vllm_engine_pb2.GenerateR
                 prompt_tokens = _prompt_tokens(prepared, resp.complete)
                 if held := outputs[i].flush():
                     yield chunk(i, held, None, None)
-                yield chunk(i, {}, None, _tool_finish(_finish_reason(resp.complete), outputs[i].called))
+                yield chunk(i, {}, None, _tool_finish(_finish_reason(resp.complete), outputs[i].called, parsing))
         count = sum(t.tokens for t in texts)
         if include_usage:
             yield _event({**base, "choices": [], "usage": _usage(prompt_tokens, count)})
@@ -187,6 +192,35 @@ async def sse_stream(prepared: PreparedRequest, first: vllm_engine_pb2.GenerateR
     yield b"data: [DONE]\n\n"
 
 
+class EngineStreamingResponse(StreamingResponse):
+    """A ``StreamingResponse`` over an engine answer that always closes it.
+
+    The body generator's ``finally`` releases the worker slot and closes the engine stream, but a
+    generator that never started (the client left between the handler's return and the first chunk)
+    never runs it: this response closes the body and the engine stream and calls ``release`` when it
+    ends, however it ends (``release`` and ``aclose`` are idempotent).
+    """
+
+    def __init__(self, body: AsyncIterator[bytes], release: Callable[[], None],
+                 rest: AsyncGenerator[Any, None], headers: dict[str, str]) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=headers)
+        self._body = body
+        self._release = release
+        self._rest = rest
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                close = getattr(self._body, "aclose", None)
+                if close is not None:
+                    await close()
+                await self._rest.aclose()
+            finally:
+                self._release()
+
+
 async def respond(prepared: PreparedRequest, stream: bool, include_usage: bool,
                   first: vllm_engine_pb2.GenerateResponse, rest: AsyncGenerator[vllm_engine_pb2.GenerateResponse, None],
                   tokenizer: BundleTokenizer, release: Callable[[], None], headers: dict[str, str],
@@ -198,7 +232,7 @@ async def respond(prepared: PreparedRequest, stream: bool, include_usage: bool,
     """
     if stream:
         body = sse_stream(prepared, first, rest, tokenizer, include_usage, release, parsing)
-        return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+        return EngineStreamingResponse(body, release, rest, headers)
     try:
         body_json = await completion_body(prepared, first, rest, tokenizer, parsing)
     finally:
