@@ -425,22 +425,17 @@ def register_anthropic(app: FastAPI, state: GatewayState, body_limit: int) -> No
     The ``anthropic-version`` and ``x-api-key`` headers are accepted and ignored.  Every failure,
     unexpected ones included (500 ``api_error``, logged), is answered in Anthropic's error shape.
     """
-    from mmgate.api.app import error_response, parse_off_loop, read_body  # app.py imports this module
+    from mmgate.api.app import error_response, parse_off_loop, request_body  # app.py imports this module
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         has_system = False
         try:
-            body = await read_body(request, body_limit, state.settings.http)
-            untrim = state.budget.trimmer.hold(len(body)) if state.budget.trimmer is not None else None
-            try:
+            async with request_body(state, request, body_limit) as body:
                 req = await parse_off_loop(state, parse_messages_request, body)
                 has_system = bool(req.system)
                 metrics.REQUESTS.labels(state.runtime.served_name, str(req.stream).lower()).inc()
                 return await until_disconnect(request, answer_messages(state, req))
-            finally:
-                if untrim is not None:
-                    untrim()
         except GatewayError as exc:
             return anthropic_error_response(_anthropic_param(exc, has_system), error_response)
         except Exception:

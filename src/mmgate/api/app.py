@@ -172,6 +172,20 @@ async def parse_off_loop(state: GatewayState, parse: Callable[[bytes], T], body:
     return await asyncio.get_running_loop().run_in_executor(state.executor, parse, body)
 
 
+@asynccontextmanager
+async def request_body(state: GatewayState, request: Request, limit: int) -> AsyncIterator[bytes]:
+    """The request's body (:func:`read_body` within ``state.settings.http``'s deadlines), held by the idle
+    trimmer while the request runs: a large body (a huge prompt) leaves freed heap behind that the
+    trimmer returns once the gateway is idle.  Every POST endpoint reads its body through this."""
+    body = await read_body(request, limit, state.settings.http)
+    untrim = state.budget.trimmer.hold(len(body)) if state.budget.trimmer is not None else None
+    try:
+        yield body
+    finally:
+        if untrim is not None:
+            untrim()
+
+
 def body_limit_for(settings: Settings) -> int:
     """Largest accepted body: every item at its byte cap as base64 would not fit anyway, so the bound is
     the largest per-item cap in base64 (4/3) plus 1 MiB of text, unless set explicitly."""
@@ -211,16 +225,10 @@ def create_app(state: GatewayState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await read_body(request, body_limit, state.settings.http)
-        # A large body (a huge prompt) leaves freed heap behind too: the idle trimmer returns it.
-        untrim = state.budget.trimmer.hold(len(body)) if state.budget.trimmer is not None else None
-        try:
+        async with request_body(state, request, body_limit) as body:
             req = await parse_off_loop(state, parse_chat_request, body)
             metrics.REQUESTS.labels(state.runtime.served_name, str(req.stream).lower()).inc()
             return await until_disconnect(request, answer_chat(req))
-        finally:
-            if untrim is not None:
-                untrim()
 
     async def answer_chat(req: ChatCompletionRequest) -> Response:
         answer = await start_chat(state, req)

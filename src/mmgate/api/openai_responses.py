@@ -470,17 +470,12 @@ async def answer_responses(state: GatewayState, req: ResponsesRequest) -> Respon
 def register_responses(app: FastAPI, state: GatewayState, body_limit: int) -> None:
     """Add ``POST /v1/responses`` to ``app`` (body read within ``state.settings.http``'s deadlines and
     ``body_limit`` bytes, as the chat endpoint's; the work cancelled when the client leaves)."""
-    from mmgate.api.app import parse_off_loop, read_body
+    from mmgate.api.app import parse_off_loop, request_body
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        body = await read_body(request, body_limit, state.settings.http)
-        untrim = state.budget.trimmer.hold(len(body)) if state.budget.trimmer is not None else None
-        try:
+        async with request_body(state, request, body_limit) as body:
             req = await parse_off_loop(state, parse_responses_request, body)
             metrics.REQUESTS.labels(state.runtime.served_name, str(req.stream).lower()).inc()
             return await until_disconnect(request, answer_responses(state, req))
-        finally:
-            if untrim is not None:
-                untrim()
 

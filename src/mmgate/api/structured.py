@@ -119,19 +119,24 @@ def _response_format(req: ChatCompletionRequest) -> Constraint | None:
     raise _refuse(f"response_format.type must be one of {', '.join(RESPONSE_FORMAT_TYPES)}", "response_format.type")
 
 
+def _checked(holder: Any, prefix: str) -> list[tuple[str, Constraint]]:
+    """The json / regex / choice / grammar constraints set on ``holder`` (fields ``<prefix>json`` ...
+    for the request's ``guided_*``; ``json`` ... of ``structured_outputs``), each checked, named by
+    its field."""
+    found: list[tuple[str, Constraint]] = []
+    for key, check in (("json", _json_schema), ("regex", _regex), ("choice", _choice), ("grammar", _grammar)):
+        value = getattr(holder, key if prefix.endswith(".") else prefix + key)
+        if value is not None:
+            param = prefix + key
+            found.append((param, check(value, param)))  # type: ignore[operator]
+    return found
+
+
 def _structured_outputs(req: ChatCompletionRequest) -> list[tuple[str, Constraint]]:
     so = req.structured_outputs
     if so is None:
         return []
-    found: list[tuple[str, Constraint]] = []
-    if so.json is not None:
-        found.append(("structured_outputs.json", _json_schema(so.json, "structured_outputs.json")))
-    if so.regex is not None:
-        found.append(("structured_outputs.regex", _regex(so.regex, "structured_outputs.regex")))
-    if so.choice is not None:
-        found.append(("structured_outputs.choice", _choice(so.choice, "structured_outputs.choice")))
-    if so.grammar is not None:
-        found.append(("structured_outputs.grammar", _grammar(so.grammar, "structured_outputs.grammar")))
+    found = _checked(so, "structured_outputs.")
     if so.json_object:
         found.append(("structured_outputs.json_object", Constraint(ConstraintKind.JSON_OBJECT, "")))
     if so.structural_tag is not None:
@@ -226,14 +231,7 @@ def request_constraint(req: ChatCompletionRequest) -> Constraint | None:
     fmt = _response_format(req)
     if fmt is not None:
         found.append(("response_format", fmt))
-    if req.guided_json is not None:
-        found.append(("guided_json", _json_schema(req.guided_json, "guided_json")))
-    if req.guided_regex is not None:
-        found.append(("guided_regex", _regex(req.guided_regex, "guided_regex")))
-    if req.guided_choice is not None:
-        found.append(("guided_choice", _choice(req.guided_choice, "guided_choice")))
-    if req.guided_grammar is not None:
-        found.append(("guided_grammar", _grammar(req.guided_grammar, "guided_grammar")))
+    found += _checked(req, "guided_")
     found += _structured_outputs(req)
     _check_tools(req.tools or [])
     choice = tool_choice(req)
