@@ -31,6 +31,15 @@ QWEN_BUNDLES = {
     "Qwen--Qwen3-VL-2B-Instruct": "qwen3_vl",
 }
 
+#: bundle folder -> short label, one or more bundles per registered family
+#: (``mmgate.models.registry.FAMILY_MODULES``): the Qwen-VL bundles, LLaVA-1.5, LLaVA-NeXT, Gemma 3
+FAMILY_BUNDLES = {
+    **QWEN_BUNDLES,
+    "llava-hf--llava-1.5-7b-hf": "llava",
+    "llava-hf--llava-v1.6-mistral-7b-hf": "llava_next",
+    "google--gemma-3-4b-it": "gemma3",
+}
+
 #: name -> (width, height)
 SIZES = {"640x480": (640, 480), "1280x960": (1280, 960)}
 

@@ -50,6 +50,7 @@ import mmgate.media.video as video_module
 from mmgate.chat.tokenizer import load_tokenizer
 from mmgate.media.video import decode_video
 from mmgate.models.bundle import load_bundle
+from mmgate.models.family import assemble
 from mmgate.models.registry import load_family
 from mmgate.settings import ImageBackend
 from mmgate.types import ItemHints
@@ -106,12 +107,12 @@ def mmgate_fn(family: Any, data: bytes, hints: ItemHints, thread_type: str) -> C
     def run() -> tuple[np.ndarray, np.ndarray]:
         video_module.DECODE_THREAD_TYPE = thread_type
         try:
-            clip = decode_video(data, lambda meta: family.sample_video(meta, hints), None, 600.0)
+            clip = decode_video(data, lambda meta: family.video.sample(meta, hints), None, 600.0)
         finally:
             video_module.DECODE_THREAD_TYPE = "AUTO"
-        plan = family.plan_video(clip, hints)
-        batch = family.assemble_video([family.preprocess_video(clip, plan)], [plan])
-        family.expand_video(plan)
+        plan = family.video.plan(clip, hints)
+        batch = assemble(family.video, [plan], [family.video.preprocess(clip, plan)])
+        family.video.expand(plan)
         return batch.tensors["pixel_values"], batch.tensors["video_grid_thw"]
 
     return run

@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -46,10 +46,32 @@ from mmgate.media.hashing import item_hash
 from mmgate.media.image import decode_image
 from mmgate.media.video import PixelAllowance, decode_video, planned_clip, upright_turns
 from mmgate.models.bundle import ModelBundle
-from mmgate.models.registry import Family
-from mmgate.planning import RequestPlan, hinted, plan_request, splice_all
+from mmgate.models.family import (
+    Family,
+    ImageProcessor,
+    RowWriter,
+    VideoProcessor,
+    assemble,
+    deferrable,
+    item_rows,
+    primary_layout,
+    primary_spec,
+    processor,
+)
+from mmgate.planning import (
+    RequestPlan,
+    hinted,
+    locate_text_items,
+    plan_request,
+    splice_all,
+    splice_text,
+)
 from mmgate.settings import Settings
-from mmgate.transport.limits import element_bytes, encoder_bytes_limit, payload_too_large
+from mmgate.transport.limits import (
+    element_bytes,
+    encoder_bytes_limit,
+    payload_too_large,
+)
 from mmgate.transport.placement import BufferTarget
 from mmgate.types import (
     DecodedImage,
@@ -64,9 +86,25 @@ from mmgate.types import (
     Replacement,
     RowTarget,
     SamplingParams,
+    TensorLayout,
+    TensorSpec,
     VideoMeta,
     VideoPlan,
 )
+
+
+class Rendered(NamedTuple):
+    """A rendered, tokenized chat prompt (:meth:`Pipeline.render_prompt`).
+
+    ``segments``: the prompt as tokenized, ``(text, typed)`` pieces (template text, and caller
+    text holding reserved strings, tokenized as plain text); text-level prompt updates
+    substitute into it.
+    """
+
+    plan: RequestPlan
+    prompt: str
+    ids: list[int]
+    segments: tuple[tuple[str, bool], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,9 +254,9 @@ class Pipeline:
         """
         timings: dict[str, float] = {}
         runtime = self.runtime
-        plan, prompt, ids = await self.render_prompt_async(req, timings)
+        plan, prompt, ids, segments = await self.render_prompt_async(req, timings)
         self._sampling(req, len(ids))  # refuse an over-long prompt before fetching anything
-        ids, batches, plans = await self.process_media(ids, plan, timings, choose_worker, defer_pixels)
+        ids, batches, plans = await self.process_media(ids, plan, timings, choose_worker, defer_pixels, segments)
         return PreparedRequest(
             request_id=request_id or f"chatcmpl-{uuid.uuid4().hex}", model=runtime.served_name, prompt_text=prompt,
             input_ids=tuple(ids), batches=batches, sampling=self._sampling(req, len(ids)), stream=req.stream,
@@ -226,7 +264,7 @@ class Pipeline:
         )
 
     async def render_prompt_async(self, req: ChatCompletionRequest,
-                                  timings: dict[str, float]) -> tuple[RequestPlan, str, list[int]]:
+                                  timings: dict[str, float]) -> Rendered:
         """:meth:`render_prompt`, on the event loop for a small conversation, in the pool otherwise (a
         huge text or many messages never stall other requests)."""
         if _small_conversation(req):
@@ -235,7 +273,7 @@ class Pipeline:
         return await loop.run_in_executor(self.executor, self.render_prompt, req, timings)
 
     def render_prompt(self, req: ChatCompletionRequest,
-                      timings: dict[str, float]) -> tuple[RequestPlan, str, list[int]]:
+                      timings: dict[str, float]) -> Rendered:
         """Plan and render+tokenize: the plan, the rendered prompt, its ids (one anchor per item).
 
         Every refusal of planning comes first; nothing is fetched.  Prompt integrity: reserved
@@ -276,11 +314,11 @@ class Pipeline:
                 raise GatewayError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                                    f"the prompt is longer than the model's context of {limit} tokens", "messages")
             ids = runtime.tokenizer.encode_segments(segments, runtime.reserved_ids)
-        return plan, prompt, ids
+        return Rendered(plan, prompt, ids, tuple(segments))
 
     async def process_media(self, ids: list[int], plan: RequestPlan, timings: dict[str, float],
                             choose_worker: Callable[[frozenset[Modality]], bool] | None = None,
-                            defer_pixels: bool = False,
+                            defer_pixels: bool = False, segments: Sequence[tuple[str, bool]] | None = None,
                             ) -> tuple[list[int], tuple[EncoderBatch, ...], tuple[ItemPlan, ...]]:
         """Prompt ids with one anchor per item + the plan's media -> expanded ids, encoder batches, plans.
 
@@ -288,6 +326,10 @@ class Pipeline:
         of media processing: the gateway runs it in router mode; the reference
         engine (``--mm-processor inprocess``) and the Redis sidecar run it on
         forwarded media references (``RequestPlan(template_messages=[], media=refs)``).
+
+        ``segments``: the rendered prompt as tokenized (:meth:`render_prompt`); a family whose
+        prompt updates are text-level (Gemma 3) needs it: each anchor's text is replaced and the
+        prompt tokenized again, as the reference processor does.
 
         In the gateway (``choose_worker`` given: the tensors then travel to an engine), a request
         whose planned encoder tensors exceed what the transport carries
@@ -303,43 +345,48 @@ class Pipeline:
             assert family is not None  # _check_media refused media for text-only models
             images = [r for r in plan.media if r.modality is Modality.IMAGE]
             videos = [r for r in plan.media if r.modality is Modality.VIDEO]
-            anchors = {m: family.anchor_token_id(m) for m in (Modality.IMAGE, Modality.VIDEO) if m in family.limits}
-            for modality, anchor in anchors.items():
+            image_proc = processor(family, Modality.IMAGE) if images else family.image
+            video_proc = processor(family, Modality.VIDEO) if videos else family.video
+            procs: dict[Modality, ImageProcessor | VideoProcessor] = {
+                m: p for m, p in ((Modality.IMAGE, image_proc), (Modality.VIDEO, video_proc)) if p is not None}
+            for modality, proc in procs.items():
                 count = len(images) if modality is Modality.IMAGE else len(videos)
-                found = sum(1 for t in ids if t == anchor)
+                found = sum(1 for t in ids if t == proc.anchor_token_id)
                 if found != count:
                     raise GatewayError(ErrorCode.MEDIA_COUNT_MISMATCH, f"the prompt has {found} {modality.value} "
                                        f"anchors for {count} {modality.value}s", "messages")
             with metrics.stage("fetch_decode", timings):
                 limit = encoder_bytes_limit(self.settings.transport) if choose_worker is not None else None
                 decoded, clips = await _all_or_none(self._fetch_decode(images),
-                                                    self._fetch_decode_videos(family, videos, limit))
+                                                    self._fetch_decode_videos(video_proc, videos, limit))
             with metrics.stage("preprocess", timings):
-                image_plans = tuple(_at(r, family.plan, Modality.IMAGE, im.height, im.width, r.hints)
-                                    for im, r in zip(decoded, images))
-                video_plans = tuple(_at(r, family.plan_video, clip, r.hints) for clip, r in zip(clips, videos))
+                image_plans = tuple(_at(r, image_proc.plan, im.height, im.width, r.hints)
+                                    for im, r in zip(decoded, images)) if image_proc is not None else ()
+                video_plans = tuple(_at(r, video_proc.plan, clip, r.hints)
+                                    for clip, r in zip(clips, videos)) if video_proc is not None else ()
                 raw = choose_worker(modalities) if choose_worker is not None else False
                 if limit is not None:
                     items = [*zip(image_plans, images), *((vp.item, r) for vp, r in zip(video_plans, videos))]
-                    _check_payload(family, items, element_bytes(self.settings.transport, raw), limit)
+                    _check_payload(items, element_bytes(self.settings.transport, raw), limit)
                 defer = defer_pixels and plan.media[0].modality is Modality.IMAGE
                 image_batch, video_batch = await _all_or_none(
-                    self._preprocess_images(family, decoded, images, image_plans, raw, defer),
-                    self._preprocess_videos(family, clips, video_plans, raw))
+                    self._preprocess_images(image_proc, decoded, images, image_plans, raw, defer),
+                    self._preprocess_videos(video_proc, clips, video_plans, raw))
             with metrics.stage("expand", timings):
-                reps: dict[int, list[Replacement]] = {}
+                reps: dict[Modality, list[Replacement]] = {}
                 made: dict[Modality, tuple[EncoderBatch | None, tuple[str, ...]]] = {}
-                if images:
-                    reps[anchors[Modality.IMAGE]] = [family.expand(pl) for pl in image_plans]
+                if images and image_proc is not None:
+                    reps[Modality.IMAGE] = [image_proc.expand(pl) for pl in image_plans]
                     made[Modality.IMAGE] = (image_batch, tuple(
-                        item_hash(d.content_hash, hinted(family.fingerprint, r.hints)) for d, r in zip(decoded, images)))
-                if videos:
-                    reps[anchors[Modality.VIDEO]] = [family.expand_video(pl) for pl in video_plans]
+                        item_hash(d.content_hash, hinted(image_proc.fingerprint, r.hints))
+                        for d, r in zip(decoded, images)))
+                if videos and video_proc is not None:
+                    reps[Modality.VIDEO] = [video_proc.expand(pl) for pl in video_plans]
                     made[Modality.VIDEO] = (video_batch, tuple(
-                        item_hash(c.content_hash, hinted(self._video_fingerprint(family, c), r.hints))
+                        item_hash(c.content_hash, hinted(self._video_fingerprint(video_proc, c), r.hints))
                         for c, r in zip(clips, videos)))
-                ids, ranges = splice_all(ids, reps)
-                batches = tuple(_with_items(*made[m], ranges[anchors[m]])
+                ids, ranges = self._expand(ids, reps, procs, segments)
+                batches = tuple(_with_items(*made[m], ranges[m])
                                 for m in dict.fromkeys(r.modality for r in plan.media) if m in made)
                 item_plans = {Modality.IMAGE: iter(image_plans), Modality.VIDEO: iter(p.item for p in video_plans)}
                 plans = tuple(next(item_plans[r.modality]) for r in plan.media if r.modality in item_plans)
@@ -348,6 +395,38 @@ class Pipeline:
         elif choose_worker is not None:
             choose_worker(modalities)
         return ids, batches, plans
+
+    def _expand(self, ids: list[int], reps: Mapping[Modality, Sequence[Replacement]],
+                procs: Mapping[Modality, ImageProcessor | VideoProcessor],
+                segments: Sequence[tuple[str, bool]] | None) -> tuple[list[int], dict[Modality, list[PlaceholderRange]]]:
+        """Every anchor replaced by its item's prompt update: text-level updates first (the prompt
+        text re-tokenized with the replacements in place, :func:`mmgate.planning.splice_text`),
+        then token-level ones (:func:`mmgate.planning.splice_all`).
+
+        Raises:
+            GatewayError(MULTIMODAL_NOT_SUPPORTED): text-level updates without the prompt text
+                (media references forwarded to a worker for such a family).
+            GatewayError(INTERNAL_ERROR): the re-tokenized prompt does not hold the updates'
+                embedding tokens as planned.
+        """
+        ranges: dict[Modality, list[PlaceholderRange]] = {}
+        texts = {m: r for m, r in reps.items() if r and r[0].text is not None}
+        if texts:
+            if segments is None:
+                raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED,
+                                   "this model's prompt updates are text-level; they need the prompt text")
+            tokenizer = self.runtime.tokenizer
+            anchors = {tokenizer.decode([procs[m].anchor_token_id], skip_special_tokens=False): [
+                r.text or "" for r in texts[m]] for m in texts}
+            ids = tokenizer.encode_segments(splice_text(segments, anchors), self.runtime.reserved_ids)
+            for m, items in texts.items():
+                ranges[m] = locate_text_items(ids, procs[m].placeholder_token_id, items)
+        tokens = {procs[m].anchor_token_id: r for m, r in reps.items() if m not in texts}
+        ids, by_anchor = splice_all(ids, tokens)
+        for m in reps:
+            if m not in texts:
+                ranges[m] = by_anchor[procs[m].anchor_token_id]
+        return ids, ranges
 
     async def _fetch_decode(self, refs: Sequence[MediaRef]) -> list[DecodedImage]:
         """Fetch each distinct URL once, decode each distinct payload once, concurrently."""
@@ -379,74 +458,106 @@ class Pipeline:
                           choose_worker: Callable[[frozenset[Modality]], bool] | None,
                           ) -> tuple[EncoderBatch, tuple[ItemPlan, ...]]:
         """Plan each (unhinted) image, choose the worker, then preprocess: the image-only path."""
-        plans = tuple(family.plan(Modality.IMAGE, im.height, im.width) for im in images)
+        proc = processor(family, Modality.IMAGE)
+        assert isinstance(proc, ImageProcessor)
+        plans = tuple(proc.plan(im.height, im.width) for im in images)
         raw = choose_worker(modalities) if choose_worker is not None else False
         refs = [MediaRef(Modality.IMAGE, "", i, "") for i in range(len(images))]
-        batch = await self._preprocess_images(family, images, refs, plans, raw)
+        batch = await self._preprocess_images(proc, images, refs, plans, raw)
         assert batch is not None
         return batch, plans
 
-    async def _preprocess_images(self, family: Family, images: Sequence[DecodedImage], refs: Sequence[MediaRef],
-                                 plans: Sequence[ItemPlan], raw: bool, defer: bool = False) -> EncoderBatch | None:
+    async def _preprocess_images(self, proc: ImageProcessor | VideoProcessor | None, images: Sequence[DecodedImage],
+                                 refs: Sequence[MediaRef], plans: Sequence[ItemPlan], raw: bool,
+                                 defer: bool = False) -> EncoderBatch | None:
         """Preprocess planned images (pixel cache first, then the thread pool); None for no images.
 
-        The rows are computed by :meth:`_fill_images` into one array, or, with
-        ``defer``, later into whatever buffer the engine adapter gives the returned
-        :class:`PendingTensor` ``pixel_values``.
+        The primary tensor is computed by :meth:`_fill_images` into one array, or, with
+        ``defer`` (and a layout that allows it, :func:`mmgate.models.family.deferrable`), later
+        into whatever buffer the engine adapter gives the returned :class:`PendingTensor`.
         """
-        if not images:
+        if not images or proc is None:
             return None
-        fingerprint = f"{family.fingerprint}:raw={raw}"
+        assert isinstance(proc, ImageProcessor)
+        spec = primary_spec(proc.specs)
+        fingerprint = f"{proc.fingerprint}:raw={raw}"
         keys = [item_hash(im.content_hash, hinted(fingerprint, r.hints)) for im, r in zip(images, refs)]
-        firsts = [0]
-        for pl in plans:
-            firsts.append(firsts[-1] + pl.num_patches)
         dtype = np.dtype(np.uint8 if raw else np.float32)
+        if not deferrable(spec, plans):
+            shares = await self._compute_images(proc, images, plans, keys, raw)
+            return assemble(proc, plans, shares)
+        shape, firsts = primary_layout(spec, plans)
+        width = int(np.prod(shape[1:], dtype=np.int64))
 
         async def fill(target: RowTarget) -> None:
-            await self._fill_images(family, images, plans, keys, firsts[:-1], raw, target)
+            await self._fill_images(proc, spec, images, plans, keys, firsts, raw, target)
 
         if defer:
-            pending = PendingTensor(shape=(firsts[-1], family.row_width), dtype=dtype, fill=fill)
-            return family.assemble([], plans, pixel_values=pending)
-        rows = np.empty((firsts[-1], family.row_width), dtype=dtype)
-        await fill(BufferTarget(rows.reshape(-1).view(np.uint8), family.row_width, dtype.itemsize, owner=rows))
-        return family.assemble([rows], plans)
+            return assemble(proc, plans, PendingTensor(shape=shape, dtype=dtype, fill=fill))
+        values = np.empty(shape, dtype=dtype)
+        await fill(BufferTarget(values.reshape(-1).view(np.uint8), width, dtype.itemsize, owner=values))
+        return assemble(proc, plans, values)
 
-    async def _fill_images(self, family: Family, images: Sequence[DecodedImage], plans: Sequence[ItemPlan],
-                           keys: Sequence[str], firsts: Sequence[int], raw: bool, target: RowTarget) -> None:
-        """Write every image's rows at its first row of ``target``, in the pool.
+    async def _compute_images(self, proc: ImageProcessor, images: Sequence[DecodedImage], plans: Sequence[ItemPlan],
+                              keys: Sequence[str], raw: bool) -> list[np.ndarray]:
+        """Each distinct image's primary share once (cache first, then the pool), in prompt order."""
+        loop = asyncio.get_running_loop()
+        todo: dict[str, asyncio.Future[np.ndarray]] = {}
+        hits: dict[str, np.ndarray] = {}
+        for key, im, pl in zip(keys, images, plans):
+            if key in todo or key in hits:
+                continue
+            hit = self.cache.get(key) if self.cache is not None else None
+            if hit is not None:
+                hits[key] = hit
+            else:
+                todo[key] = loop.run_in_executor(self.executor, proc.preprocess, im, pl, raw)
+        await _all_or_none(*todo.values())
+        for key, fut in todo.items():
+            hits[key] = fut.result()
+            if self.cache is not None:
+                self.cache.put(key, hits[key])
+        return [hits[key] for key in keys]
 
-        A cache hit is copied in; an image seen once with no cache is computed block
-        by block straight into the target (``family.write_one``), a large one in
-        horizontal bands on several pool threads; otherwise its rows are computed
-        once, cached, and copied to each of its places.
+    async def _fill_images(self, proc: ImageProcessor, spec: TensorSpec, images: Sequence[DecodedImage],
+                           plans: Sequence[ItemPlan], keys: Sequence[str], firsts: Sequence[int], raw: bool,
+                           target: RowTarget) -> None:
+        """Write every image's share at its first row of ``target`` (the primary tensor's
+        ``[rows, width]`` view), in the pool.
+
+        A cache hit is copied in; an image seen once with no cache, of a processor that writes
+        rows itself (:class:`~mmgate.models.family.RowWriter`), is computed block by block
+        straight into the target, a large one in horizontal bands on several pool threads;
+        otherwise its share is computed once, cached, and copied to each of its places.
         """
         loop = asyncio.get_running_loop()
         places: dict[str, list[int]] = {}
         for key, first in zip(keys, firsts):
             places.setdefault(key, []).append(first)
         items = {key: (im, pl) for key, im, pl in zip(keys, images, plans)}
+        writer = proc if isinstance(proc, RowWriter) and spec.layout is TensorLayout.FLAT else None
 
         def stream(im: DecodedImage, pl: ItemPlan, first: int, band: tuple[int, int]) -> None:
+            assert writer is not None
             with target.writer() as put:
-                family.write_one(im, pl, raw, lambda row, block: put(first + row, block), band)
+                writer.write_rows(im, pl, raw, lambda row, block: put(first + row, block), band)
 
-        def copy(rows: np.ndarray | None, im: DecodedImage, pl: ItemPlan, at: list[int]) -> np.ndarray:
+        def copy(share: np.ndarray | None, im: DecodedImage, pl: ItemPlan, at: list[int]) -> np.ndarray:
             with target.writer() as put:
-                if rows is None:
-                    rows = family.preprocess_one(im, pl, raw)
+                if share is None:
+                    share = proc.preprocess(im, pl, raw)
+                rows = share.reshape(item_rows(spec, pl), -1)
                 for first in at:
                     put(first, rows)
-                return rows
+                return share
 
         async def one(key: str, at: list[int], hit: np.ndarray | None) -> np.ndarray | None:
             im, pl = items[key]
-            if hit is not None or len(at) > 1 or self.cache is not None:
+            if writer is None or hit is not None or len(at) > 1 or self.cache is not None:
                 return await loop.run_in_executor(self.executor, copy, hit, im, pl, at)
-            parts = max(1, min(self.parallelism, pl.num_patches // BAND_MIN_ROWS))
+            parts = max(1, min(self.parallelism, pl.primary_shape[0] // BAND_MIN_ROWS))
             if parts > 1:
-                im = await loop.run_in_executor(self.executor, family.resized, im, pl)
+                im = await loop.run_in_executor(self.executor, writer.resized, im, pl)
             await _all_or_none(*(loop.run_in_executor(self.executor, stream, im, pl, at[0], (k, parts))
                                  for k in range(parts)))
             return None
@@ -454,17 +565,17 @@ class Pipeline:
         hits = {key: self.cache.get(key) if self.cache is not None else None for key in places}
         computed = await _all_or_none(*(one(key, at, hits[key]) for key, at in places.items()))
         if self.cache is not None:
-            for key, rows in zip(places, computed):
-                if hits[key] is None and rows is not None:
-                    self.cache.put(key, rows)
+            for key, share in zip(places, computed):
+                if hits[key] is None and share is not None:
+                    self.cache.put(key, share)
 
-    def _video_fingerprint(self, family: Family, clip: DecodedVideo) -> str:
+    def _video_fingerprint(self, proc: ImageProcessor | VideoProcessor, clip: DecodedVideo) -> str:
         """The video processor fingerprint of ``clip``'s hash; a clip turned upright hashes apart from the
         same clip in its stored orientation (``--no-video-apply-rotation``)."""
         turned = self.settings.video.apply_rotation and upright_turns(clip.rotation)
-        return f"{family.video_fingerprint}:upright" if turned else family.video_fingerprint
+        return f"{proc.fingerprint}:upright" if turned else proc.fingerprint
 
-    async def _fetch_decode_videos(self, family: Family, refs: Sequence[MediaRef],
+    async def _fetch_decode_videos(self, proc: ImageProcessor | VideoProcessor | None, refs: Sequence[MediaRef],
                                    limit: int | None = None) -> list[DecodedVideo]:
         """Fetch each distinct URL once; sample and decode each distinct (URL, fps hint) once, one clip per
         pool task, all clips sharing the request's decoded-pixel allowance.  When this fails or is
@@ -474,8 +585,9 @@ class Pipeline:
         ``limit``: encoder-tensor bytes the request may plan; the clips planned from their headers
         (sampled frames, header size) must fit in it together, or the request is refused before
         they are decoded (413 ``multimodal_payload_too_large`` naming the clip that goes over)."""
-        if not refs:
+        if not refs or proc is None:
             return []
+        assert isinstance(proc, VideoProcessor)
         loop = asyncio.get_running_loop()
         fs, vs = self.settings.fetch, self.settings.video
         allowance = PixelAllowance(vs.max_decoded_pixels)
@@ -487,11 +599,11 @@ class Pipeline:
 
         def sampler(ref: MediaRef) -> Callable[[VideoMeta], list[int]]:
             def sample(meta: VideoMeta) -> list[int]:
-                indices = family.sample_video(meta, ref.hints)
+                indices = proc.sample(meta, ref.hints)
                 if limit is not None:
-                    item = family.plan_video(planned_clip(meta, indices), ref.hints).item
+                    item = proc.plan(planned_clip(meta, indices), ref.hints).item
                     with planned_lock:
-                        planned[(ref.url, ref.hints.fps)] = item.num_patches * family.row_width * itemsize
+                        planned[(ref.url, ref.hints.fps)] = item.primary_values * itemsize
                         total = sum(planned.values())
                     if total > limit:
                         raise payload_too_large(total, limit, ref.param)
@@ -524,18 +636,19 @@ class Pipeline:
             raise
         return [tasks[(ref.url, ref.hints.fps)].result() for ref in refs]
 
-    async def _preprocess_videos(self, family: Family, clips: Sequence[DecodedVideo], plans: Sequence[VideoPlan],
-                                 raw: bool) -> EncoderBatch | None:
+    async def _preprocess_videos(self, proc: ImageProcessor | VideoProcessor | None, clips: Sequence[DecodedVideo],
+                                 plans: Sequence[VideoPlan], raw: bool) -> EncoderBatch | None:
         """Preprocess each distinct (clip, plan) once, in parallel in the pool; None for no clips."""
-        if not clips:
+        if not clips or proc is None:
             return None
+        assert isinstance(proc, VideoProcessor)
         loop = asyncio.get_running_loop()
         todo: dict[tuple[int, VideoPlan], asyncio.Future[np.ndarray]] = {}
         for clip, pl in zip(clips, plans):
             if (id(clip), pl) not in todo:
-                todo[(id(clip), pl)] = loop.run_in_executor(self.executor, family.preprocess_video, clip, pl, raw)
+                todo[(id(clip), pl)] = loop.run_in_executor(self.executor, proc.preprocess, clip, pl, raw)
         await _all_or_none(*todo.values())
-        return family.assemble_video([todo[(id(c), pl)].result() for c, pl in zip(clips, plans)], plans)
+        return assemble(proc, plans, [todo[(id(c), pl)].result() for c, pl in zip(clips, plans)])
 
 
 #: rows of ``pixel_values`` per band below which a deferred image is not split across threads
@@ -562,14 +675,14 @@ def _at(ref: MediaRef, fn: Callable[..., Any], *args: Any) -> Any:
         raise GatewayError(exc.code, exc.message, exc.param or ref.param) from None
 
 
-def _check_payload(family: Family, items: Sequence[tuple[ItemPlan, MediaRef]], itemsize: int, limit: int) -> None:
-    """Refuse (413 ``multimodal_payload_too_large``, naming the largest item) planned ``pixel_values``
-    of more than ``limit`` bytes: rows (``num_patches``) x the family's row width x ``itemsize``.
+def _check_payload(items: Sequence[tuple[ItemPlan, MediaRef]], itemsize: int, limit: int) -> None:
+    """Refuse (413 ``multimodal_payload_too_large``, naming the largest item) planned encoder input
+    of more than ``limit`` bytes: each item's primary share (``ItemPlan.primary_values``) x ``itemsize``.
 
     Raises:
         GatewayError(MULTIMODAL_PAYLOAD_TOO_LARGE): over the limit.
     """
-    sizes = [pl.num_patches * family.row_width * itemsize for pl, _ in items]
+    sizes = [pl.primary_values * itemsize for pl, _ in items]
     if sizes and sum(sizes) > limit:
         raise payload_too_large(sum(sizes), limit, items[sizes.index(max(sizes))][1].param)
 
@@ -577,9 +690,7 @@ def _check_payload(family: Family, items: Sequence[tuple[ItemPlan, MediaRef]], i
 def _with_items(batch: EncoderBatch | None, hashes: tuple[str, ...], ranges: Sequence[PlaceholderRange]) -> EncoderBatch:
     """``batch`` with its items' hashes and placeholder ranges."""
     assert batch is not None
-    return EncoderBatch(modality=batch.modality, tensors=batch.tensors, batched_keys=batch.batched_keys,
-                        flat_keys=batch.flat_keys, keep_on_cpu_keys=batch.keep_on_cpu_keys,
-                        placeholder_token_id=batch.placeholder_token_id, placeholders=tuple(ranges), mm_hashes=hashes)
+    return batch.with_items(tuple(ranges), hashes)
 
 
 def _small_conversation(req: ChatCompletionRequest) -> bool:

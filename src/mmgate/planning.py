@@ -10,13 +10,24 @@ tokenized prompt by its placeholder run.  Used by :mod:`mmgate.pipeline`.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mmgate.api.protocol import AudioPart, ChatCompletionRequest, ImagePart, Message, TextPart, ToolCall, VideoPart
+from mmgate.api.protocol import (
+    AudioPart,
+    ChatCompletionRequest,
+    ImagePart,
+    Message,
+    TextPart,
+    ToolCall,
+    VideoPart,
+)
+from mmgate.chat.template import content_format
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.fetch import check_scheme
+from mmgate.models.family import processor
 from mmgate.settings import Settings
 from mmgate.types import ItemHints, MediaRef, Modality, PlaceholderRange, Replacement
 
@@ -55,6 +66,10 @@ def plan_request(req: ChatCompletionRequest, runtime: ModelRuntime, settings: Se
                            "special tokens", "chat_template_kwargs")
     messages: list[dict[str, Any]] = []
     media: list[MediaRef] = []
+    options = tuple(sorted((req.mm_processor_kwargs or {}).items()))
+    template, chosen = runtime.bundle.chat_template, settings.chat_template_content_format
+    parts_format = chosen == "openai" or (chosen == "auto" and template is not None
+                                          and content_format(template) == "openai")
     for mi, message in enumerate(req.messages):
         msg: dict[str, Any] = {}
         if isinstance(message.content, list):
@@ -67,10 +82,11 @@ def plan_request(req: ChatCompletionRequest, runtime: ModelRuntime, settings: Se
                 hints = ItemHints()
                 if isinstance(part, ImagePart):
                     modality, url = Modality.IMAGE, part.image_url.url
-                    hints = ItemHints(max_long_side_pixel=part.image_url.max_long_side_pixel)
+                    hints = ItemHints(max_long_side_pixel=part.image_url.max_long_side_pixel, options=options)
                 elif isinstance(part, VideoPart):
                     modality, url = Modality.VIDEO, part.video_url.url
-                    hints = ItemHints(fps=part.video_url.fps, max_long_side_pixel=part.video_url.max_long_side_pixel)
+                    hints = ItemHints(fps=part.video_url.fps, max_long_side_pixel=part.video_url.max_long_side_pixel,
+                                      options=options)
                 else:
                     assert isinstance(part, AudioPart)
                     modality, url = Modality.AUDIO, ""
@@ -79,20 +95,23 @@ def plan_request(req: ChatCompletionRequest, runtime: ModelRuntime, settings: Se
             msg["content"] = parts
         else:
             msg["content"] = message.content
-        messages.append(_template_message(message, msg.get("content")))
+        messages.append(_template_message(message, msg.get("content"), parts_format))
     _check_media(media, runtime, settings)
     return RequestPlan(template_messages=messages, media=tuple(media))
 
 
-def _template_message(message: Message, content: str | list[dict[str, Any]] | None) -> dict[str, Any]:
+def _template_message(message: Message, content: str | list[dict[str, Any]] | None,
+                      parts_format: bool = False) -> dict[str, Any]:
     """One message as the chat template sees it (``content`` already mapped), as vLLM builds it.
 
     Mirrors vLLM ``vllm/entrypoints/chat_utils.py`` (v0.11)
     ``_parse_chat_message_content`` and ``_postprocess_messages``:
 
-    * ``content: null`` becomes empty content: ``""`` here (vLLM: ``[]`` for
-      templates that iterate over parts, ``""`` for string templates; the two
-      render alike wherever a template accepts both, and ``""`` suits both kinds);
+    * with a template that loops over content parts (``parts_format``: vLLM's detected content
+      format ``openai``, :func:`mmgate.chat.template.content_format`), a string ``content``
+      becomes one text part and ``null`` no parts, as vLLM passes them (LLaVA's templates read
+      only parts: a string would be dropped or refused); tool messages excepted (below);
+    * otherwise ``content: null`` becomes ``""`` (vLLM's string format);
     * ``tool_calls`` are kept on assistant messages only, an empty list is
       dropped, and each ``function.arguments`` JSON string is parsed into an
       object (not JSON, or absent: ``{}``), as tool-use templates expect;
@@ -102,6 +121,8 @@ def _template_message(message: Message, content: str | list[dict[str, Any]] | No
     * roles pass through unchanged (``developer`` included, as vLLM passes it).
     """
     role = message.role
+    if parts_format and role != "tool" and not isinstance(content, list):
+        content = [{"type": "text", "text": content}] if content is not None else []
     msg: dict[str, Any] = {"role": role, "content": "" if content is None else content}
     if role == "assistant":
         if message.tool_calls:
@@ -154,7 +175,7 @@ def _check_media(media: Sequence[MediaRef], runtime: ModelRuntime, settings: Set
     for ref in media:
         check_scheme(ref.url, ref.param)
         if ref.hints.key and family is not None:
-            family.check_hints(ref.modality, ref.hints, ref.param)
+            processor(family, ref.modality).check_hints(ref.hints, ref.param)
 
 
 def hinted(fingerprint: str, hints: ItemHints) -> str:
@@ -173,6 +194,57 @@ def splice_anchors(ids: Sequence[int], anchor_id: int, runs: Sequence[tuple[int,
     """
     out, ranges = splice_all(ids, {anchor_id: [Replacement(r, o, n) for r, (o, n) in zip(runs, embed)]})
     return out, ranges[anchor_id]
+
+
+def splice_text(segments: Sequence[tuple[str, bool]],
+                texts: Mapping[str, Sequence[str]]) -> list[tuple[str, bool]]:
+    """The prompt's ``(text, typed)`` pieces with the k-th occurrence of each anchor string ``a`` in
+    template text replaced by ``texts[a][k]`` (caller text, ``typed``, is never touched): the
+    text-level prompt update of a reference processor that edits the prompt string before
+    tokenizing (transformers 5.24 ``Gemma3Processor.__call__``: ``text.replace(boi_token, ...)``).
+
+    Raises:
+        GatewayError(INTERNAL_ERROR): the template text holds fewer anchors than replacements.
+    """
+    used = dict.fromkeys(texts, 0)
+    pattern = re.compile("|".join(re.escape(a) for a in sorted(texts, key=len, reverse=True)))
+
+    def replace(match: re.Match[str]) -> str:
+        anchor = match.group(0)
+        k = used[anchor]
+        if k >= len(texts[anchor]):
+            raise GatewayError(ErrorCode.INTERNAL_ERROR, "more anchors in the prompt than items")
+        used[anchor] = k + 1
+        return texts[anchor][k]
+
+    out = [(text if typed else pattern.sub(replace, text), typed) for text, typed in segments]
+    if any(used[a] != len(texts[a]) for a in texts):
+        raise GatewayError(ErrorCode.INTERNAL_ERROR, "fewer anchors in the prompt text than items")
+    return out
+
+
+def locate_text_items(ids: Sequence[int], embed_id: int, reps: Sequence[Replacement]) -> list[PlaceholderRange]:
+    """Placeholder ranges of text-level updates in the re-tokenized prompt: item k owns the next
+    ``reps[k].embed_length`` tokens equal to ``embed_id`` (in prompt order); its range runs from
+    ``embed_offset`` tokens before its first to ``trail`` tokens after its last.
+
+    Example: ``locate_text_items([1, 8, 5, 5, 9, 2], 5, [Replacement((), 1, 2, "x", 1)])`` ->
+    ``[PlaceholderRange(1, 4)]``.
+
+    Raises:
+        GatewayError(INTERNAL_ERROR): the prompt holds a different number of embedding tokens.
+    """
+    positions = [i for i, t in enumerate(ids) if t == embed_id]
+    if len(positions) != sum(r.embed_length for r in reps):
+        raise GatewayError(ErrorCode.INTERNAL_ERROR, "the expanded prompt's embedding tokens disagree with the plan")
+    out: list[PlaceholderRange] = []
+    at = 0
+    for rep in reps:
+        first, last = positions[at], positions[at + rep.embed_length - 1]
+        start = first - rep.embed_offset
+        out.append(PlaceholderRange(offset=start, length=last + rep.trail - start + 1))
+        at += rep.embed_length
+    return out
 
 
 def splice_all(ids: Sequence[int], reps: Mapping[int, Sequence[Replacement]]) -> tuple[list[int], dict[int, list[PlaceholderRange]]]:

@@ -285,6 +285,8 @@ class Settings:
     item_limits: Mapping[str, int] = field(default_factory=dict)  # per-modality overrides
     default_max_tokens: int = 64
     max_model_len: int = 0  # context length in tokens; 0: from the bundle's config (mmgate.pipeline.context_length)
+    #: how string message content reaches the chat template: ``auto`` (vLLM's detection), ``string``, ``openai``
+    chat_template_content_format: str = "auto"
     fetch: FetchSettings = field(default_factory=FetchSettings)
     video: VideoSettings = field(default_factory=VideoSettings)
     transport: TransportSettings = field(default_factory=TransportSettings)
@@ -345,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(g, "--default-max-tokens", type=int, default=64, help="completion budget when a request sets none")
     add_option(g, "--max-model-len", type=int, default=0,
                help="context length in tokens (prompt + completion); 0: the bundle's max_position_embeddings")
+    add_option(g, "--chat-template-content-format", choices=["auto", "string", "openai"], default="auto",
+               help="string message content as the template gets it: auto = as vLLM detects (parts when the "
+                    "template loops over content), string = as given (transformers), openai = always parts")
     add_media_options(p)
     add_video_options(p)
     g = p.add_argument_group("tensor transport")
@@ -426,6 +431,7 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         item_limits=item_limits(ns, environ),
         default_max_tokens=ns.default_max_tokens,
         max_model_len=max(0, ns.max_model_len),
+        chat_template_content_format=ns.chat_template_content_format,
         fetch=fetch_settings(ns),
         video=video_settings(ns),
         transport=_transport_settings(ns),

@@ -37,18 +37,31 @@ class ItemHints:
     ``fps``: frames per second to sample (``video_url.fps``; the reference video
     processor's ``fps`` kwarg).  ``max_long_side_pixel``: bound on the resized
     long side (``image_url`` / ``video_url``), mapped to an area bound
-    ``size["longest_edge"]`` per item.  ``None``: the model's own setting.
+    ``size["longest_edge"]`` per item.  ``options``: the request's
+    ``mm_processor_kwargs`` (as vLLM's ``mm_processor_kwargs`` request field), sorted
+    ``(name, value)`` pairs; which names a family takes is its own
+    (``MediaProcessor.check_hints``), e.g. Gemma 3's ``do_pan_and_scan``.  ``None`` / empty:
+    the model's own setting.
     """
 
     fps: float | None = None
     max_long_side_pixel: int | None = None
+    options: tuple[tuple[str, bool | int | float | str], ...] = ()
+
+    def option(self, name: str, default: bool | int | float | str | None = None) -> bool | int | float | str | None:
+        """The value of ``mm_processor_kwargs[name]``, or ``default``."""
+        for key, value in self.options:
+            if key == name:
+                return value
+        return default
 
     @property
     def key(self) -> str:
         """A stable text form for hashes and de-duplication ('' when no hint is set)."""
-        if self.fps is None and self.max_long_side_pixel is None:
+        if self.fps is None and self.max_long_side_pixel is None and not self.options:
             return ""
-        return f"fps={self.fps!r};long={self.max_long_side_pixel!r}"
+        base = f"fps={self.fps!r};long={self.max_long_side_pixel!r}"
+        return base + "".join(f";{k}={v!r}" for k, v in self.options)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,21 +143,85 @@ class DecodedVideo:
         return int(self.frames.shape[2])
 
 
+class TensorLayout(StrEnum):
+    """How one tensor of an :class:`EncoderBatch` splits into items (vLLM ``MultiModalFieldConfig``,
+    ``vllm/multimodal/inputs.py``).
+
+    ``batched``: first dimension = items (``MultiModalFieldConfig.batched``); items whose shares
+    differ in shape are zero-padded to the largest, as the reference processor pads them
+    (LLaVA-NeXT tiles). ``flat``: the items' shares concatenated along the first dimension, each
+    item's length in the batched tensor ``sizes_key`` (``flat_from_sizes``). ``shared``: one
+    tensor for every item (``shared``).
+    """
+
+    BATCHED = "batched"
+    FLAT = "flat"
+    SHARED = "shared"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One tensor a modality of a family produces: name, dtype, layout, placement.
+
+    ``dtype``: numpy dtype name of the reference values (``float32`` pixel values, ``int64``
+    grids and sizes); the primary tensor (the encoder input, ``primary``) is float32 normalized
+    values, or uint8 pixels for a worker that normalizes on device, and may be converted to the
+    wire's encoder dtype by the engine adapter.  ``sizes_key``: for ``flat``, the batched tensor
+    holding each item's first-dimension length.  ``keep_on_cpu``: vLLM ``keep_on_cpu``.  The
+    per-item shape (any rank) is the plan's (:attr:`ItemPlan.shapes`).
+    """
+
+    name: str
+    dtype: str
+    layout: TensorLayout
+    sizes_key: str | None = None
+    keep_on_cpu: bool = False
+    primary: bool = False
+
+
 @dataclass(frozen=True, slots=True)
 class ItemPlan:
-    """Geometry of one preprocessed item, computed from sizes alone.
+    """One item planned from its size alone: token count and the shape of its share of each tensor.
 
-    For Qwen-VL images: ``resized_hw`` from ``smart_resize``, ``grid_thw`` =
-    ``(1, resized_h / patch_size, resized_w / patch_size)``, ``num_tokens`` =
-    ``t*h*w / merge_size**2``.
+    ``shapes``: ``(name, shape)`` per tensor of the modality's specs, the primary tensor first: a
+    ``flat`` tensor's share is ``[rows, ...]`` (its rows in the concatenation), a ``batched``
+    one's the item's slice without the item dimension. ``num_tokens``: the embedding positions
+    (tokens that receive encoder output) this item expands to. ``detail``: the family's own
+    geometry, hashable (Qwen-VL: grid ``(t, h, w)`` in patches; LLaVA-NeXT: tile grid and
+    unpadded size; Gemma 3: ``(num_crops, rows, cols, crop_h, crop_w)``), read only by that family.
+
+    Example (Qwen2.5-VL, 640x480 image): ``resized_hw`` (476, 644), ``shapes``
+    ``(("pixel_values", (1564, 1176)), ("image_grid_thw", (3,)), ("patches_per_image", ()))``,
+    ``num_tokens`` 391, ``detail`` (1, 34, 46).
     """
 
     modality: Modality
     original_hw: tuple[int, int]
     resized_hw: tuple[int, int]
-    grid_thw: tuple[int, int, int]
-    num_patches: int  # rows of this item in the flat ``pixel_values``
-    num_tokens: int  # placeholder tokens this item expands to
+    num_tokens: int
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    detail: tuple[int, ...] = ()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The item's share of tensor ``name``.
+
+        Raises:
+            KeyError: the plan has no such tensor.
+        """
+        for key, shape in self.shapes:
+            if key == name:
+                return shape
+        raise KeyError(name)
+
+    @property
+    def primary_shape(self) -> tuple[int, ...]:
+        """The item's share of the primary (encoder input) tensor."""
+        return self.shapes[0][1]
+
+    @property
+    def primary_values(self) -> int:
+        """Values of the item's share of the primary tensor (bytes = this x the element size)."""
+        return int(np.prod(self.primary_shape, dtype=np.int64))
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +242,7 @@ class PlaceholderRange:
 class VideoPlan:
     """Sampling (chosen from the header, before decoding) and geometry (from the decoded frames) of one clip.
 
-    ``item.grid_thw`` = ``(grid_t, grid_h, grid_w)`` with ``grid_t`` =
+    For Qwen-VL, ``item.detail`` = ``(grid_t, grid_h, grid_w)`` with ``grid_t`` =
     ``ceil(len(frame_indices) / temporal_patch_size)`` (the reference pads the
     last temporal patch with copies of the last frame).
     """
@@ -184,18 +261,28 @@ class VideoPlan:
 
 @dataclass(frozen=True, slots=True)
 class Replacement:
-    """What replaces one anchor token: the token ids and the embedding range inside them.
+    """The prompt update for one anchor: token-level (ids) or text-level (text), with its placeholder range.
 
-    The embedding range may hold tokens that receive no embedding: for a
-    Qwen3-VL clip it spans the whole replacement (timestamp text, per-frame
-    ``<|vision_start|>``/``<|vision_end|>``) and the engine embeds only the
-    positions holding the batch's ``placeholder_token_id`` (vLLM's
-    ``is_embed``; the SMG servicer derives it from ``im_token_id``).
+    Token-level (``text`` None): ``token_ids`` replace the anchor token; the placeholder range is
+    ``embed_length`` tokens from ``embed_offset`` within them.  Text-level (``text`` set): the
+    reference processor replaces the anchor's *text* before tokenizing (Gemma 3
+    ``Gemma3Processor.__call__``), so the ids depend on the text around the anchor: the pipeline
+    substitutes ``text`` for the anchor in the rendered prompt and tokenizes the result
+    (``token_ids`` is empty).  The range then runs from ``embed_offset`` tokens before the item's
+    first embedding token (the batch's ``placeholder_token_id``) to ``trail`` tokens after its
+    last, and the item must hold exactly ``embed_length`` embedding tokens.
+
+    The range may hold tokens that receive no embedding: for a Qwen3-VL clip it spans the whole
+    replacement (timestamp text, per-frame ``<|vision_start|>``/``<|vision_end|>``) and the engine
+    embeds only the positions holding the batch's ``placeholder_token_id`` (vLLM's ``is_embed``;
+    the SMG servicer derives it from ``im_token_id``).
     """
 
     token_ids: tuple[int, ...]
-    embed_offset: int  # offset of the placeholder range within ``token_ids``
+    embed_offset: int  # offset of the placeholder range within ``token_ids`` (text-level: lead tokens)
     embed_length: int
+    text: str | None = None
+    trail: int = 0
 
 
 #: ``write(first_row, rows)``: store ``rows`` (``[b, width]``) at row ``first_row`` of a tensor
@@ -214,45 +301,74 @@ class RowTarget(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class PendingTensor:
-    """A ``[rows, width]`` encoder input whose values are computed straight into their transport buffer.
+    """An encoder input whose values are computed straight into their transport buffer.
 
-    The pipeline returns it (``Pipeline.prepare(..., defer_pixels=True)``) with every
-    refusal done and every size known; the engine adapter chooses the buffer
-    (a shared-memory segment, or the tail of the serialized request) and
-    ``await fill(target)`` computes the rows into it, so the full tensor is
-    written once and never copied.  ``dtype``: float32 (normalized) or uint8 (raw).
+    ``shape``: the tensor's shape (any rank); it is written as ``rows = shape[0]`` rows of
+    ``width = prod(shape[1:])`` values.  The pipeline returns it
+    (``Pipeline.prepare(..., defer_pixels=True)``) with every refusal done and every size known;
+    the engine adapter chooses the buffer (a shared-memory segment, or the tail of the
+    serialized request) and ``await fill(target)`` computes the rows into it, so the full
+    tensor is written once and never copied.  ``dtype``: float32 (normalized) or uint8 (raw).
     """
 
-    shape: tuple[int, int]
+    shape: tuple[int, ...]
     dtype: np.dtype
     fill: Callable[[RowTarget], Awaitable[None]]
 
     @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    @property
+    def width(self) -> int:
+        return int(np.prod(self.shape[1:], dtype=np.int64))
+
+    @property
     def nbytes(self) -> int:
-        return self.shape[0] * self.shape[1] * self.dtype.itemsize
+        return self.rows * self.width * self.dtype.itemsize
 
 
 @dataclass(frozen=True, slots=True)
 class EncoderBatch:
     """Preprocessed tensors of all items of one modality, in prompt order.
 
-    ``tensors``: name -> array.  For Qwen-VL images: ``pixel_values`` float32
-    ``[sum(t*h*w), C*T*P*P]`` (flat over items), ``image_grid_thw`` int64
-    ``[N, 3]`` and ``patches_per_image`` int64 ``[N]`` (batched).
-    Layout follows vLLM ``MultiModalFieldConfig``: ``flat_keys`` maps a flat
-    tensor to the batched tensor holding per-item sizes; ``batched_keys`` have
-    first dimension N; ``keep_on_cpu_keys`` stay on the host.  With deferred
-    pixels (gateway router path) ``pixel_values`` is a :class:`PendingTensor`.
+    ``tensors``: name -> array, one per spec of ``specs`` (:class:`TensorSpec`: layout, dtype,
+    placement, which is the encoder input).  For Qwen-VL images: ``pixel_values`` float32
+    ``[sum(t*h*w), C*T*P*P]`` (flat, sized by ``patches_per_image``), ``image_grid_thw`` int64
+    ``[N, 3]`` and ``patches_per_image`` int64 ``[N]`` (batched).  With deferred pixels
+    (gateway router path) the primary tensor is a :class:`PendingTensor`; on the decode leg of
+    a prefill/decode pair it may be absent.
     """
 
     modality: Modality
     tensors: Mapping[str, np.ndarray | PendingTensor]
-    batched_keys: tuple[str, ...]
-    flat_keys: dict[str, str]
-    keep_on_cpu_keys: tuple[str, ...]
+    specs: tuple[TensorSpec, ...]
     placeholder_token_id: int  # the token that receives embeddings (im_token_id)
     placeholders: tuple[PlaceholderRange, ...] = ()
     mm_hashes: tuple[str, ...] = ()
+
+    @property
+    def primary_key(self) -> str:
+        """The encoder input's name (``pixel_values`` for every family so far)."""
+        return next(s.name for s in self.specs if s.primary)
+
+    @property
+    def batched_keys(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.specs if s.layout is TensorLayout.BATCHED)
+
+    @property
+    def flat_keys(self) -> dict[str, str]:
+        return {s.name: s.sizes_key for s in self.specs if s.layout is TensorLayout.FLAT and s.sizes_key}
+
+    @property
+    def keep_on_cpu_keys(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.specs if s.keep_on_cpu)
+
+    def with_items(self, placeholders: tuple[PlaceholderRange, ...], mm_hashes: tuple[str, ...]) -> EncoderBatch:
+        """This batch with its items' placeholder ranges and hashes."""
+        return EncoderBatch(modality=self.modality, tensors=self.tensors, specs=self.specs,
+                            placeholder_token_id=self.placeholder_token_id, placeholders=placeholders,
+                            mm_hashes=mm_hashes)
 
     @property
     def nbytes(self) -> int:

@@ -189,7 +189,8 @@ def test_tool_call_arguments_that_are_not_a_json_object_become_empty(arguments: 
     plan = plan_request(req, runtime(MODEL), Settings(model=MODEL))
     expected: Any = [1, 2] if arguments == "[1, 2]" else {}
     assert plan.template_messages[0]["tool_calls"][0]["function"]["arguments"] == expected
-    assert plan.template_messages[0]["content"] == ""
+    # content null -> no parts: the Qwen templates loop over content parts (vLLM's "openai" content format)
+    assert plan.template_messages[0]["content"] == []
 
 
 TOOL_TURN = [

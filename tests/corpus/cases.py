@@ -4,9 +4,11 @@
 collection, so each case becomes one parametrized test) into a temporary
 folder removed at exit; nothing is written into the shared folder or the
 repository.  ``pending_reason(case)`` names why a case cannot be judged yet
-(a model family mmgate does not serve, video before the Qwen-VL family
-accepts it, a unit-calculation case, a file the generator skipped); such
-cases are collected and reported, never dropped.
+(a profile the runner does not serve, video for a family that takes none, a
+unit-calculation case, a file the generator skipped); such cases are
+collected and reported, never dropped.  Served profiles: the Qwen-VL ones
+(``qwen2_vl``, ``qwen3_vl``) and ``llava_1_5`` (the LLaVA-1.5 bundle, CLIP
+shortest-edge resize and centre crop).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from typing import Any
 from tests.conftest import REPO
 
 CASES_DIR = Path(os.environ.get("MMGATE_CASES_DIR", REPO.parent / "shared" / "cases"))
-SUPPORTED_PROFILES = ("qwen2_vl", "qwen3_vl")
+SUPPORTED_PROFILES = ("qwen2_vl", "qwen3_vl", "llava_1_5")
+#: the profile every corpus stack starts, cases or not: the SSRF gateway, the soak and the intake tests use it
+BASE_PROFILE = "qwen2_vl"
 MIME = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".gif": "image/gif",
         ".webp": "image/webp", ".mp4": "video/mp4"}
 
@@ -59,6 +63,12 @@ def load_corpus() -> Corpus:
     return Corpus(root=out, doc=json.loads((out / "cases.json").read_text()))
 
 
+def profiles_in_use(corpus: Corpus) -> tuple[str, ...]:
+    """The supported profiles the corpus's cases name, and :data:`BASE_PROFILE`: the stacks to start."""
+    named = {c.get("model_profile", "") for c in corpus.cases}
+    return tuple(p for p in SUPPORTED_PROFILES if p in named or p == BASE_PROFILE)
+
+
 def group_of(case_id: str) -> str:
     """``BH-01-w28h26`` -> ``BH-01``."""
     return "-".join(case_id.split("-")[:2])
@@ -73,7 +83,7 @@ def needs_video(case: dict[str, Any]) -> bool:
 
 @functools.cache
 def family_accepts_video(profile: str) -> bool:
-    """Whether the Qwen-VL family, built from this profile's bundle as the gateway builds it, takes video."""
+    """Whether the profile's family, built from its bundle as the gateway builds it, takes video."""
     from mmgate.chat.tokenizer import load_tokenizer
     from mmgate.models.bundle import resolve_bundle
     from mmgate.models.geometry import resolve_backend
@@ -104,7 +114,7 @@ def pending_reason(case: dict[str, Any]) -> str | None:
     if case.get("transport") == "unit" and not video_patchify_available():
         return "unit calculation case (no request): needs mmgate's video patchify to check against"
     if needs_video(case) and not family_accepts_video(profile):
-        return "needs video input: the Qwen-VL family does not accept Modality.VIDEO yet"
+        return f"needs video input: the family of profile {profile!r} does not accept Modality.VIDEO"
     if case.get("skipped"):
         return "the generator skipped a file of this case (no ffmpeg on this machine)"
     return None

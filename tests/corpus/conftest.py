@@ -1,6 +1,7 @@
 """The corpus stack (session scope) and the per-group pass count printed at the end of the run.
 
-Stack: for each profile a temporary bundle with the profile's processor
+Stack: for each profile the cases name (and ``qwen2_vl``, which the SSRF,
+soak and intake tests use) a temporary bundle with the profile's processor
 values, a reference engine process, a recording gRPC proxy in front of it and
 a gateway process (``--mm-allow-private-media-hosts``, short fetch timeouts)
 whose worker is that proxy; one scripted loopback media origin; and, for the
@@ -25,7 +26,7 @@ import pytest
 
 from mmgate.launch import Child, start_engine, start_gateway
 from tests.conftest import model_roots
-from tests.corpus.cases import SUPPORTED_PROFILES, group_of, load_corpus
+from tests.corpus.cases import BASE_PROFILE, group_of, load_corpus, profiles_in_use
 from tests.corpus.stack import (
     ALLOWED_TEST_HOST,
     RecordingProxy,
@@ -65,7 +66,8 @@ class CorpusStack:
     references: dict[str, Any] = field(default_factory=dict)
 
     def reference_processor(self, profile: str) -> Any:
-        """transformers 5.24 ``Qwen2VLImageProcessor`` (torchvision, the gateway's auto backend) of the profile."""
+        """The profile bundle's transformers 5.24 image processor, as ``AutoImageProcessor`` picks it (the
+        torchvision class, the gateway's auto backend): ``Qwen2VLImageProcessor``, ``CLIPImageProcessor``."""
         if profile not in self.references:
             from transformers import AutoImageProcessor
 
@@ -99,7 +101,7 @@ def corpus_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CorpusSta
     root = tmp_path_factory.mktemp("corpus-bundles")
     logs = tmp_path_factory.mktemp("corpus-logs")
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {n: pool.submit(_start_profile, n, corpus.profiles[n], root, logs) for n in SUPPORTED_PROFILES}
+        futures = {n: pool.submit(_start_profile, n, corpus.profiles[n], root, logs) for n in profiles_in_use(corpus)}
         profiles: dict[str, Profile] = {}
         errors = []
         for name, fut in futures.items():
@@ -113,7 +115,7 @@ def corpus_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CorpusSta
         with scripted_origin() as origin:
             backend = LoopbackOnlyBackend({(PUBLIC, 80): origin.port}, pass_loopback=True)
             resolver = RoutedResolver({ALLOWED_TEST_HOST: [PUBLIC]})
-            q2 = profiles["qwen2_vl"]
+            q2 = profiles[BASE_PROFILE]
             with ssrf_gateway(q2.bundle, q2.served_name, q2.proxy.port, backend, resolver) as ssrf_base:
                 yield CorpusStack(profiles, origin, ssrf_base, backend, resolver, logs)
     finally:

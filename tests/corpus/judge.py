@@ -140,6 +140,52 @@ def check_ok_image(case: dict[str, Any], answer: Answer, image_bytes: bytes | No
         check_decoded_pixels(case, image_bytes)
 
 
+def check_ok_crop_image(case: dict[str, Any], answer: Answer, num_images: int, images: list[bytes],
+                        profile: dict[str, Any], reference_processor: Any, image_token_id: int,
+                        same_as_bytes: bytes | None) -> None:
+    """200, and the wire carries one ``crop x crop`` image per item (``num_images`` image parts; ``images``:
+    their bytes where the test sent them itself, empty for a verbatim URL) and one placeholder run of
+    ``tokens_per_image`` ``image_token_id`` tokens each (LLaVA-1.5: the case's ``pixel_values_shape`` /
+    ``num_image_tokens`` where it lists them, else the profile's ``crop`` and ``tokens_per_image``;
+    ``image_token_id``: the bundle's ``image_token_index``), and ``pixel_values`` equal the bundle's ``CLIPImageProcessor`` on the same bytes (on the bytes
+    of ``same_pixels_as`` too)."""
+    exp = case["expected"]
+    resp = answer.response
+    assert resp is not None
+    if resp.status_code != 200:
+        raise _fail(case, f"expected 200, got {resp.status_code}: {resp.text[:300]}")
+    wire = answer.wire
+    if wire is None:
+        raise _fail(case, "no request reached the engine")
+    if resp.json()["usage"]["prompt_tokens"] != len(wire.input_ids):
+        raise _fail(case, "usage.prompt_tokens differs from the expanded prompt sent to the engine")
+    batch = wire.batch("pixel_values")
+    if batch is None:
+        raise _fail(case, "no image batch on the wire")
+    pixel_values = batch.tensors["pixel_values"]
+    crop = profile["crop"]
+    want_shape = exp.get("pixel_values_shape", [num_images, 3, crop, crop])
+    if list(pixel_values.array.shape) != want_shape:
+        raise _fail(case, f"pixel_values shape {list(pixel_values.array.shape)} != {want_shape}")
+    tokens = exp.get("num_image_tokens", profile["tokens_per_image"])
+    if [length for _, length in batch.placeholders] != [tokens] * num_images:
+        raise _fail(case, f"placeholder runs {batch.placeholders} != {num_images} x {tokens}")
+    if batch.im_token_id != image_token_id:
+        raise _fail(case, f"im_token_id {batch.im_token_id} != the bundle's image token {image_token_id}")
+    for offset, length in batch.placeholders:
+        if set(wire.input_ids[offset:offset + length]) != {image_token_id}:
+            raise _fail(case, f"placeholder run at {offset} is not all image tokens")
+    sources = ([images] if images else []) + ([[same_as_bytes] * num_images] if same_as_bytes is not None else [])
+    for source in sources:
+        if pixel_values.array.dtype == np.uint8:
+            break  # uint8 on the wire: the worker normalizes; the shape checks above still hold
+        ref = reference_processor(images=[Image.open(io.BytesIO(b)) for b in source], return_tensors="np")
+        if not _same_as_wire(ref["pixel_values"], pixel_values.dtype, pixel_values.array):
+            raise _fail(case, "pixel_values differ from the transformers reference processor")
+    if images and "decoded_rgb_at" in exp:
+        check_decoded_pixels(case, images[0])
+
+
 def check_decoded_pixels(case: dict[str, Any], image_bytes: bytes) -> None:
     exp = case["expected"]
     pixels = decode_image(image_bytes, 10**9).pixels.astype(int)

@@ -2,10 +2,12 @@
 
 * :func:`profile_bundle` copies a shared model bundle into a temporary folder
   and rewrites its processor configs to a corpus profile's values (the
-  transformers class defaults the expected numbers assume);
+  transformers class defaults the expected numbers assume; for ``llava_1_5``
+  the CLIP resize and crop sizes);
 * :class:`RecordingProxy` is a transparent gRPC proxy between a gateway and
-  its reference engine that keeps the last ``GenerateRequest`` messages, so a
-  test can check the tensors that went over the wire for a request id;
+  its reference engine that keeps the last ``GenerateRequest`` messages and
+  the ids each one generated, so a test can check the tensors that went over
+  the wire, and what came back, for a request id;
 * the SSRF cases use :func:`tests.media.gateways.ssrf_gateway` (default
   policy; test names resolve to a "public" address that the test socket
   layer routes to a loopback origin; anything else is recorded and refused).
@@ -34,7 +36,10 @@ from mmgate.transport.inline import from_parts
 ALLOWED_TEST_HOST = "allowed.test"
 
 #: corpus profile -> the shared bundle it is built from
-PROFILE_BASE = {"qwen2_vl": "Qwen--Qwen2-VL-2B-Instruct", "qwen3_vl": "Qwen--Qwen3-VL-2B-Instruct"}
+PROFILE_BASE = {"qwen2_vl": "Qwen--Qwen2-VL-2B-Instruct", "qwen3_vl": "Qwen--Qwen3-VL-2B-Instruct",
+                "llava_1_5": "llava-hf--llava-1.5-7b-hf"}
+#: profiles whose images are one shortest-edge resize + centre crop each (CLIPImageProcessor, LLaVA-1.5)
+CROP_PROFILES = ("llava_1_5",)
 _RESAMPLE = {"nearest": 0, "lanczos": 1, "bilinear": 2, "bicubic": 3}
 
 
@@ -61,6 +66,19 @@ def _video_config(p: Mapping[str, Any], video_processor: str) -> dict[str, Any]:
     return cfg
 
 
+def _crop_profile_files(dst: Path, p: Mapping[str, Any]) -> None:
+    """LLaVA-1.5: the bundle's ``CLIPImageProcessor`` config with the profile's resize / crop sizes, and its
+    processor's ``patch_size`` (the rest, bicubic and the CLIP mean / std, is the bundle's own, as the
+    profile's note says)."""
+    image = json.loads((dst / "preprocessor_config.json").read_text())
+    image.update(size={"shortest_edge": p["shortest_edge"]}, crop_size={"height": p["crop"], "width": p["crop"]},
+                 do_resize=True, do_center_crop=True)
+    (dst / "preprocessor_config.json").write_text(json.dumps(image, indent=1))
+    processor = json.loads((dst / "processor_config.json").read_text())
+    processor["patch_size"] = p["patch_size"]
+    (dst / "processor_config.json").write_text(json.dumps(processor, indent=1))
+
+
 def profile_bundle(shared_models: Path, dest_root: Path, profile: str, values: Mapping[str, Any]) -> Path:
     """A copy of the profile's base bundle whose image/video processor configs hold ``values``."""
     src = shared_models / PROFILE_BASE[profile]
@@ -68,6 +86,9 @@ def profile_bundle(shared_models: Path, dest_root: Path, profile: str, values: M
     shutil.copytree(src, dst)
     for child in dst.iterdir():
         child.chmod(0o644)
+    if profile in CROP_PROFILES:
+        _crop_profile_files(dst, values)
+        return dst
     config = json.loads((dst / "config.json").read_text())
     processor = {"qwen2_vl": "Qwen2VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}[config["model_type"]]
     video_processor = {"qwen2_vl": "Qwen2VLVideoProcessor", "qwen3_vl": "Qwen3VLVideoProcessor"}[config["model_type"]]
@@ -105,6 +126,7 @@ class WireBatch:
     modality: int
     tensors: dict[str, WireTensor]
     placeholders: list[tuple[int, int]]
+    im_token_id: int = 0  # the embedding token of the placeholder runs
 
 
 @dataclass(frozen=True)
@@ -134,7 +156,8 @@ def _wire_request(msg: vllm_engine_pb2.GenerateRequest) -> WireRequest:
         tensors = {name: _tensor(name, td) for name, td in mm.model_specific_tensors.items()}
         if mm.HasField("pixel_values"):
             tensors["pixel_values"] = _tensor("pixel_values", mm.pixel_values)
-        batches.append(WireBatch(int(mm.modality), tensors, [(p.offset, p.length) for p in mm.mm_placeholders]))
+        batches.append(WireBatch(int(mm.modality), tensors, [(p.offset, p.length) for p in mm.mm_placeholders],
+                                 int(mm.im_token_id)))
     return WireRequest(msg.request_id, list(msg.tokenized.input_ids), batches)
 
 
@@ -154,6 +177,7 @@ class RecordingProxy:
         self._keep = keep
         self._lock = threading.Lock()
         self.requests: OrderedDict[str, WireRequest] = OrderedDict()
+        self.outputs: OrderedDict[tuple[str, int], list[int]] = OrderedDict()  # (request id, choice) -> output ids
         self.generate_calls = 0
         handlers = {}
         for method in self.SERVICE.methods:
@@ -168,13 +192,24 @@ class RecordingProxy:
         self.port = self._server.add_insecure_port("127.0.0.1:0")
         self._server.start()
 
-    def _record(self, raw: bytes) -> None:
+    def _record(self, raw: bytes) -> str:
         wire = _wire_request(vllm_engine_pb2.GenerateRequest.FromString(raw))
         with self._lock:
             self.generate_calls += 1
             self.requests[wire.request_id] = wire
             while len(self.requests) > self._keep:
                 self.requests.popitem(last=False)
+        return wire.request_id
+
+    def _record_output(self, request_id: str, raw: bytes) -> None:
+        """Keep a ``GenerateComplete``'s ``output_ids`` (every generated id, in both stream modes)."""
+        response = vllm_engine_pb2.GenerateResponse.FromString(raw)
+        if response.WhichOneof("response") != "complete":
+            return
+        with self._lock:
+            self.outputs[(request_id, int(response.complete.index))] = [int(t) for t in response.complete.output_ids]
+            while len(self.outputs) > self._keep:
+                self.outputs.popitem(last=False)
 
     @staticmethod
     def _unary(call: Callable[..., bytes]) -> Callable[[bytes, grpc.ServicerContext], bytes]:
@@ -189,12 +224,14 @@ class RecordingProxy:
 
     def _streaming(self, call: Callable[..., Any], record: bool) -> Callable[[bytes, grpc.ServicerContext], Iterator[bytes]]:
         def handle(raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
-            if record:
-                self._record(raw)
+            request_id = self._record(raw) if record else None
             responses = call(raw, timeout=_deadline(context), metadata=context.invocation_metadata())
             context.add_callback(responses.cancel)
             try:
-                yield from responses
+                for response in responses:
+                    if request_id is not None:
+                        self._record_output(request_id, response)
+                    yield response
             except grpc.RpcError as exc:
                 if exc.code() is not grpc.StatusCode.CANCELLED:
                     context.abort(exc.code(), exc.details() or "")
@@ -204,6 +241,11 @@ class RecordingProxy:
     def get(self, request_id: str) -> WireRequest | None:
         with self._lock:
             return self.requests.get(request_id)
+
+    def output_ids(self, request_id: str, index: int = 0) -> list[int] | None:
+        """The engine's generated ids for choice ``index`` of ``request_id`` (None until it completed)."""
+        with self._lock:
+            return self.outputs.get((request_id, index))
 
     def close(self) -> None:
         self._server.stop(grace=1).wait(5)

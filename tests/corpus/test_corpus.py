@@ -39,13 +39,14 @@ from tests.corpus.judge import (
     STATUS_OF_OUTCOME,
     Answer,
     check_decoded_pixels,
+    check_ok_crop_image,
     check_ok_image,
     check_ok_video,
     check_status,
     check_stream,
     check_timeout,
 )
-from tests.corpus.stack import ALLOWED_TEST_HOST
+from tests.corpus.stack import ALLOWED_TEST_HOST, CROP_PROFILES
 from tests.media.netfakes import loopback_listener
 from tests.media.origin import Behavior
 
@@ -204,13 +205,28 @@ def _judge_ok(case: dict[str, Any], answer: Answer, stack: CorpusStack, media: d
         check_ok_video(case, answer)
         return
     same_as = exp.get("same_pixels_as")
-    images = [n for n in media if not n.endswith(".txt")]
-    image_bytes = media[images[0]] if images else None
     same_bytes = load_corpus().file(same_as) if same_as else None
-    check_ok_image(case, answer, image_bytes, profile_values["patch_size"],
-                   stack.reference_processor(case["model_profile"]), same_bytes)
+    if case["model_profile"] in CROP_PROFILES:
+        _judge_ok_crop(case, answer, stack, same_bytes)
+    else:
+        images = [n for n in media if not n.endswith(".txt")]
+        image_bytes = media[images[0]] if images else None
+        check_ok_image(case, answer, image_bytes, profile_values["patch_size"],
+                       stack.reference_processor(case["model_profile"]), same_bytes)
     if same_bytes is not None and "decoded_rgb_at" in exp:
         check_decoded_pixels(case, same_bytes)
+
+
+def _judge_ok_crop(case: dict[str, Any], answer: Answer, stack: CorpusStack, same_bytes: bytes | None) -> None:
+    """A LLaVA-1.5 profile case: one crop and one ``<image>`` run per image part (``image_token_index``
+    of the profile bundle's config.json), pixels as the bundle's ``CLIPImageProcessor``."""
+    profile = case["model_profile"]
+    image_token_id = int(json.loads((stack.profiles[profile].bundle / "config.json").read_text())["image_token_index"])
+    parts = [p for m in case["request"]["messages"] for p in (m.get("content") or []) if isinstance(p, dict)]
+    files = [_FILE.fullmatch(p["image_url"]["url"]) for p in parts if p.get("type") == "image_url"]
+    sent = [load_corpus().file(m.group(1)) for m in files if m is not None] if all(files) else []
+    check_ok_crop_image(case, answer, len(files), sent, load_corpus().profiles[profile],
+                        stack.reference_processor(profile), image_token_id, same_bytes)
 
 
 def _judge_unit(case: dict[str, Any]) -> None:

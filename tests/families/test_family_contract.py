@@ -3,11 +3,15 @@
 For every ``model_type`` in ``mmgate.models.registry.FAMILY_BY_MODEL_TYPE``:
 * a golden fixture under ``tests/families/golden/`` covers it (a family
   without one fails here: add it to ``scripts/gen_golden.py``);
-* ``preprocess_one`` returns exactly the rows ``plan`` announced
-  (``num_patches`` = product of ``grid_thw``), and ``assemble`` stacks them;
-* ``expand(plan)`` has ``plan.num_tokens`` ids, and ``num_tokens`` =
-  ``t*h*w // merge_size**2`` with ``merge_size`` as the reference processor
-  reported it (recorded in the golden fixture, not read from mmgate).
+* the image processor's specs name one primary tensor, first; ``preprocess`` returns the share
+  ``plan`` announced and ``plan_tensors`` the other shares, each of the planned shape;
+  :func:`mmgate.models.family.assemble` lays them out as the specs say (batched: one entry per
+  item, zero-padded; flat: concatenated, sizes in the batch);
+* ``expand(plan)`` holds exactly ``plan.num_tokens`` embedding tokens (token-level: in its
+  placeholder range; text-level: in its text);
+* a pixel-cache hit gives the bytes a miss gives (through the pipeline).
+Family-specific numbers (token counts, sizes) are checked against the reference by each
+family's golden and live tiers, not here.
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ from parity_support import GOLDEN_DIR, ImageSpec, find_bundle_dir
 from mmgate.chat.tokenizer import load_tokenizer
 from mmgate.media.image import decode_image
 from mmgate.models.bundle import load_bundle
+from mmgate.models.family import assemble
 from mmgate.models.registry import FAMILY_BY_MODEL_TYPE, load_family
 from mmgate.settings import ImageBackend
-from mmgate.types import Modality
+from mmgate.types import Modality, TensorLayout
 
 MODEL_TYPES = sorted(FAMILY_BY_MODEL_TYPE)
 BACKENDS = (ImageBackend.PIL, ImageBackend.TORCHVISION)
@@ -72,39 +77,55 @@ def family_for(model_type: str, backend: ImageBackend):
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.value)
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_preprocess_rows_and_expansion_agree_with_the_plan(model_type: str, backend: ImageBackend) -> None:
-    family, entry = family_for(model_type, backend)
-    merge = entry["merge_size"]
-    decoded_all, plans, rows_all = [], [], []
+def test_preprocess_and_expansion_agree_with_the_plan(model_type: str, backend: ImageBackend) -> None:
+    """Family-neutral: every tensor share has the shape the plan announced, the batch is laid out as
+    the specs say, and the prompt update holds exactly ``num_tokens`` embedding tokens."""
+    family, _ = family_for(model_type, backend)
+    proc = family.image
+    assert proc is not None and proc.modality is Modality.IMAGE
+    assert [s.primary for s in proc.specs].count(True) == 1 and proc.specs[0].primary
+    names = [s.name for s in proc.specs]
+    embed_text = load_tokenizer(load_bundle(Path(find_bundle_dir(golden_bundles()[model_type][0]["bundle"])))).decode(
+        [proc.placeholder_token_id], skip_special_tokens=False)
+    plans, shares = [], []
     for i, (w, h) in enumerate(SIZES):
         decoded = decode_image(ImageSpec(w, h, "RGB", 500 + i).encode(), 10**9)
-        plan = family.plan(Modality.IMAGE, decoded.height, decoded.width)
-        t, gh, gw = plan.grid_thw
-        rows = family.preprocess_one(decoded, plan)
+        plan = proc.plan(decoded.height, decoded.width)
         label = f"{model_type} {backend.value} {w}x{h}: plan {plan}"
         assert plan.original_hw == (h, w), label
-        assert plan.num_patches == t * gh * gw, label
-        assert rows.dtype == np.float32 and rows.ndim == 2, label
-        assert rows.shape[0] == plan.num_patches, label
-        if "patch_size" in entry:
-            assert plan.resized_hw == (gh * entry["patch_size"], gw * entry["patch_size"]), label
-        assert plan.num_tokens == t * gh * gw // merge**2, label
-        rep = family.expand(plan)
-        assert len(rep.token_ids) == plan.num_tokens, label
-        assert 0 <= rep.embed_offset and rep.embed_offset + rep.embed_length <= len(rep.token_ids), label
-        anchor = family.anchor_token_id(Modality.IMAGE)
-        assert set(rep.token_ids[rep.embed_offset:rep.embed_offset + rep.embed_length]) == {anchor}, label
-        decoded_all.append(decoded)
+        assert [n for n, _ in plan.shapes] == names, label
+        share = proc.preprocess(decoded, plan)
+        assert share.dtype == np.float32 and share.shape == plan.primary_shape, label
+        for name, array in proc.plan_tensors(plan).items():
+            assert np.asarray(array).shape == plan.shape(name), (label, name)
+        rep = proc.expand(plan)
+        assert rep.embed_length == plan.num_tokens > 0, label
+        if rep.text is None:
+            assert 0 <= rep.embed_offset and rep.embed_offset + rep.embed_length <= len(rep.token_ids), label
+            window = rep.token_ids[rep.embed_offset:rep.embed_offset + rep.embed_length]
+            assert window.count(proc.placeholder_token_id) == plan.num_tokens, label
+        else:
+            assert rep.text.count(embed_text) == plan.num_tokens, label
         plans.append(plan)
-        rows_all.append(rows)
-    batch = family.assemble(rows_all, plans)
-    pv = batch.tensors[next(iter(batch.flat_keys))]
-    sizes = batch.tensors[batch.flat_keys[next(iter(batch.flat_keys))]]
-    assert pv.shape[0] == sum(pl.num_patches for pl in plans)
-    assert sizes.tolist() == [pl.num_patches for pl in plans]
-    assert np.array_equal(pv, np.concatenate(rows_all, axis=0))
-    for key in batch.batched_keys:
-        assert batch.tensors[key].shape[0] == len(plans), key
+        shares.append(share)
+    batch = assemble(proc, plans, shares)
+    assert batch.primary_key == names[0]
+    for spec in proc.specs:
+        tensor = batch.tensors[spec.name]
+        assert tensor.dtype == np.dtype(spec.dtype), spec.name
+        if spec.layout is TensorLayout.BATCHED:
+            assert tensor.shape[0] == len(plans), spec.name
+        elif spec.layout is TensorLayout.FLAT:
+            rows = [pl.shape(spec.name)[0] for pl in plans]
+            assert tensor.shape[0] == sum(rows), spec.name
+            assert spec.sizes_key in batch.batched_keys, spec.name
+            assert batch.tensors[spec.sizes_key].reshape(-1).tolist() == rows, spec.name
+    primary = batch.tensors[batch.primary_key]
+    if proc.specs[0].layout is TensorLayout.FLAT:
+        assert np.array_equal(primary, np.concatenate(shares, axis=0))
+    else:
+        for k, share in enumerate(shares):
+            assert np.array_equal(primary[k][tuple(slice(0, d) for d in share.shape)], share)
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
@@ -126,7 +147,7 @@ def test_pixel_cache_hit_equals_miss(model_type: str) -> None:
 
         def run() -> np.ndarray:
             batch, _ = asyncio.run(pipe._preprocess(family, images, frozenset({Modality.IMAGE}), None))
-            return batch.tensors["pixel_values"]
+            return batch.tensors[batch.primary_key]
 
         miss = run()
         assert len(cache) == 2  # the repeated image is one entry

@@ -36,6 +36,7 @@ from mmgate.chat.tokenizer import load_tokenizer
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.image import decode_image
 from mmgate.models.bundle import load_bundle
+from mmgate.models.family import assemble
 from mmgate.models.registry import load_family
 from mmgate.settings import FetchSettings, ImageBackend
 from mmgate.types import Modality
@@ -120,14 +121,14 @@ def test_pixel_values_fingerprint_equals_the_reference(row: dict) -> None:
     decoded = decode_image(image_bytes(row["image"]), MAX_DECODE_PIXELS)
     if "refused" in row:
         with pytest.raises(GatewayError) as info:
-            family.plan(Modality.IMAGE, decoded.height, decoded.width)
+            family.image.plan(decoded.height, decoded.width)
         assert info.value.code is ErrorCode.IMAGE_ASPECT_RATIO_INVALID, label
         return
-    plan = family.plan(Modality.IMAGE, decoded.height, decoded.width)
+    plan = family.image.plan(decoded.height, decoded.width)
     assert list(plan.resized_hw) == row["resized_hw"], label
-    assert list(plan.grid_thw) == row["image_grid_thw"], label
+    assert list(plan.detail) == row["image_grid_thw"], label
     assert plan.num_tokens == row["num_image_tokens"], label
-    batch = family.assemble([family.preprocess_one(decoded, plan)], [plan])
+    batch = assemble(family.image, [plan], [family.image.preprocess(decoded, plan)])
     pv = batch.tensors["pixel_values"]
     assert pv.dtype == np.float32, label
     assert list(pv.shape) == row["pixel_values_shape"], label
@@ -145,9 +146,9 @@ def test_expanded_input_ids_equal_the_reference_chat_template(conv: dict, backen
     prompt = render_chat(bundle.chat_template, openai_messages(conv["turns"], urls), tok.special_tokens)
     anchored = tok.encode_prompt(prompt)
     decoded = [decode_image(image_bytes(name), MAX_DECODE_PIXELS) for name in conv["images"]]
-    plans = [family.plan(Modality.IMAGE, im.height, im.width) for im in decoded]
-    ids = splice_anchors(anchored, family.image_token_id, [family.expand(pl).token_ids for pl in plans])
-    pad = family.image_token_id
+    plans = [family.image.plan(im.height, im.width) for im in decoded]
+    ids = splice_anchors(anchored, family.image.image_token_id, [family.image.expand(pl).token_ids for pl in plans])
+    pad = family.image.image_token_id
     assert anchored == conv["input_ids_collapsed"]  # one pad per image before expansion
     assert [pl.num_tokens for pl in plans] == conv["pad_runs"]
     assert len(ids) == conv["input_ids_len"]
@@ -180,8 +181,8 @@ def test_pil_backend_rows_run_without_transformers_or_torch() -> None:
         img = {IMAGES[row['image']]!r}
         data = ImageSpec(img["width"], img["height"], img["mode"], img["seed"], img["format"]).encode()
         decoded = decode_image(data, 10**9)
-        plan = family.plan(Modality.IMAGE, decoded.height, decoded.width)
-        rows = family.preprocess_one(decoded, plan)
+        plan = family.image.plan(decoded.height, decoded.width)
+        rows = family.image.preprocess(decoded, plan)
         assert not any(m.split(".")[0] in ("transformers", "torch") for m in sys.modules)
         print(hashlib.sha256(np.ascontiguousarray(rows, dtype="<f4").tobytes()).hexdigest())
     """)

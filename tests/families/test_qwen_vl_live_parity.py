@@ -49,6 +49,7 @@ from mmgate.chat.tokenizer import load_tokenizer  # noqa: E402
 from mmgate.errors import ErrorCode, GatewayError  # noqa: E402
 from mmgate.media.image import decode_image  # noqa: E402
 from mmgate.models.bundle import load_bundle  # noqa: E402
+from mmgate.models.family import assemble
 from mmgate.models.registry import load_family  # noqa: E402
 from mmgate.settings import FetchSettings, ImageBackend  # noqa: E402
 from mmgate.types import Modality  # noqa: E402
@@ -182,8 +183,8 @@ def compare_one(case: FamilyCase, backend: ImageBackend, spec: ImageSpec, data: 
     family = case.families[backend]
     try:
         decoded = decode_image(data, MAX_DECODE_PIXELS)
-        plan = family.plan(Modality.IMAGE, decoded.height, decoded.width)
-        batch = family.assemble([family.preprocess_one(decoded, plan)], [plan])
+        plan = family.image.plan(decoded.height, decoded.width)
+        batch = assemble(family.image, [plan], [family.image.preprocess(decoded, plan)])
     except GatewayError as exc:
         if ref_error is not None and exc.code is ErrorCode.IMAGE_ASPECT_RATIO_INVALID:
             return "both_refused", 0.0
@@ -267,10 +268,10 @@ def test_expanded_input_ids_equal_the_reference_chat_template(folder: str, backe
         urls = [f"data:image/png;base64,<{i}>" for i in range(count)]  # the template only tests the key
         prompt = render_chat(case.bundle.chat_template, openai_messages(turns, urls), case.tokenizer.special_tokens)
         decoded = [decode_image(d, MAX_DECODE_PIXELS) for _, d in items]
-        plans = [family.plan(Modality.IMAGE, im.height, im.width) for im in decoded]
-        batch = family.assemble([family.preprocess_one(im, pl) for im, pl in zip(decoded, plans)], plans)
-        ids = splice_anchors(case.tokenizer.encode_prompt(prompt), family.image_token_id,
-                             [family.expand(pl).token_ids for pl in plans])
+        plans = [family.image.plan(im.height, im.width) for im in decoded]
+        batch = assemble(family.image, plans, [family.image.preprocess(im, pl) for im, pl in zip(decoded, plans)])
+        ids = splice_anchors(case.tokenizer.encode_prompt(prompt), family.image.image_token_id,
+                             [family.image.expand(pl).token_ids for pl in plans])
         ref_ids = ref["input_ids"][0].tolist()
         if ids != ref_ids:
             first = next((i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), min(len(ids), len(ref_ids)))

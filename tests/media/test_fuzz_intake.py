@@ -36,7 +36,7 @@ from mmgate.errors import GatewayError
 from mmgate.launch import free_port
 from mmgate.media.data_url import decode_data_url
 from mmgate.media.image import decode_image
-from mmgate.models.qwen_vl import QwenVLFamily, image_params_from_config
+from mmgate.models.qwen_vl import QwenVLFamily, QwenVLImage, image_params_from_config
 from mmgate.settings import FetchSettings, ImageBackend, Settings
 from mmgate.types import Modality
 from tests.conftest import bundle_dir
@@ -123,7 +123,7 @@ def data_urls(draw: st.DrawFn) -> str:
 
 def _family() -> QwenVLFamily:
     cfg = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2, "min_pixels": 3136, "max_pixels": 1003520}
-    return QwenVLFamily("qwen2_vl", image_params_from_config(cfg), 151655, ImageBackend.TORCHVISION)
+    return QwenVLFamily("qwen2_vl", QwenVLImage("qwen2_vl", image_params_from_config(cfg), 151655, ImageBackend.TORCHVISION))
 
 
 FAMILY = _family()
@@ -135,9 +135,9 @@ def _intake(url: str) -> None:
     try:
         data = decode_data_url(url, MAX_BYTES)
         image = decode_image(data, MAX_PIXELS)
-        plan = FAMILY.plan(Modality.IMAGE, image.height, image.width)
-        rows = FAMILY.preprocess_one(image, plan)
-        assert rows.shape == (plan.num_patches, 3 * 2 * 14 * 14)
+        plan = FAMILY.image.plan(image.height, image.width)
+        rows = FAMILY.image.preprocess(image, plan)
+        assert rows.shape == (plan.primary_shape[0], 3 * 2 * 14 * 14)
         OUTCOMES["ok"] += 1
     except GatewayError as exc:
         assert 400 <= exc.status < 500, exc

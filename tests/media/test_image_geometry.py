@@ -19,7 +19,7 @@ from PIL import Image
 
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.image import decode_image
-from mmgate.models.qwen_vl import QwenVLFamily, image_params_from_config
+from mmgate.models.qwen_vl import QwenVLFamily, QwenVLImage, image_params_from_config
 from mmgate.settings import ImageBackend
 from mmgate.types import Modality
 
@@ -66,7 +66,7 @@ def references() -> dict[tuple[str, ImageBackend], Any]:
 @pytest.mark.parametrize("profile", sorted(PROFILES))
 def test_odd_sizes_match_the_reference_or_are_refused_where_it_refuses(
         profile: str, backend: ImageBackend, references: dict) -> None:
-    family = QwenVLFamily(profile, image_params_from_config(PROFILES[profile]), 151655, backend)
+    family = QwenVLFamily(profile, QwenVLImage(profile, image_params_from_config(PROFILES[profile]), 151655, backend))
     ref_processor = references[(profile, backend)]
     for width, height in SIZES:
         data = _png(width, height)
@@ -75,22 +75,22 @@ def test_odd_sizes_match_the_reference_or_are_refused_where_it_refuses(
         except ValueError as exc:
             assert "aspect ratio" in str(exc)
             with pytest.raises(GatewayError) as err:
-                family.plan(Modality.IMAGE, height, width)
+                family.image.plan(height, width)
             assert err.value.code is ErrorCode.IMAGE_ASPECT_RATIO_INVALID and err.value.status == 400
             continue
         image = decode_image(data, 10**8)
-        plan = family.plan(Modality.IMAGE, image.height, image.width)
-        assert list(plan.grid_thw) == ref["image_grid_thw"][0].tolist(), (width, height)
-        assert plan.num_tokens == int(np.prod(plan.grid_thw)) // 4
-        rows = family.preprocess_one(image, plan)
+        plan = family.image.plan(image.height, image.width)
+        assert list(plan.detail) == ref["image_grid_thw"][0].tolist(), (width, height)
+        assert plan.num_tokens == int(np.prod(plan.detail)) // 4
+        rows = family.image.preprocess(image, plan)
         expected = np.asarray(ref["pixel_values"])
         assert rows.shape == expected.shape, (width, height)
         assert np.array_equal(rows, expected), f"{width}x{height}: max diff {np.abs(rows - expected).max()}"
 
 
 def test_tiny_image_is_upscaled_to_one_merged_patch_or_more() -> None:
-    family = QwenVLFamily("qwen2_vl", image_params_from_config(PROFILES["qwen2_vl"]), 151655, ImageBackend.PIL)
-    plan = family.plan(Modality.IMAGE, 1, 1)
+    family = QwenVLFamily("qwen2_vl", QwenVLImage("qwen2_vl", image_params_from_config(PROFILES["qwen2_vl"]), 151655, ImageBackend.PIL))
+    plan = family.image.plan(1, 1)
     # smart_resize(1, 1, 28, 3136, ...): round(1/28)*28 = 0 -> area 0 < 3136 -> beta = sqrt(3136) = 56
     # -> ceil(1 * 56 / 28) * 28 = 56 per side -> grid 4 x 4 -> 16 patches / merge 2x2 = 4 tokens
-    assert plan.resized_hw == (56, 56) and plan.grid_thw == (1, 4, 4) and plan.num_tokens == 4
+    assert plan.resized_hw == (56, 56) and plan.detail == (1, 4, 4) and plan.num_tokens == 4

@@ -37,7 +37,7 @@ def bundle(request: pytest.FixtureRequest) -> tuple[Any, Any]:
 
 def _render(state: Any, body: dict[str, Any]) -> tuple[str, list[int]]:
     req = parse_chat_request(json.dumps({"model": state.runtime.served_name, **body}).encode())
-    _, prompt, ids = state.pipeline.render_prompt(req, {})
+    _, prompt, ids, _ = state.pipeline.render_prompt(req, {})
     return prompt, ids
 
 

@@ -101,15 +101,15 @@ def test_hinted_image_and_hinted_clip_in_one_request_match_the_reference(model: 
     path = clips["f17_25fps_mpeg4"]
     family = pipeline(model).runtime.family
     png = _png(300, 420)
-    long_side = 7 * family.image.factor
+    long_side = 7 * family.image.params.factor
     parts = [video_part(path, fps=2.0), {"type": "image_url", "image_url": {
         "url": "data:image/png;base64," + base64.b64encode(png).decode(),
         "max_long_side_pixel": long_side}}]
     prepared = prepare(model, parts)
     image_plan = prepared.plans[1]
     assert max(image_plan.resized_hw) <= long_side
-    bound = family.image_max_pixels(300, 420, ItemHints(max_long_side_pixel=long_side))
-    image_kwargs = {"size": {"shortest_edge": family.image.min_pixels, "longest_edge": bound}}
+    bound = family.image.image_max_pixels(300, 420, ItemHints(max_long_side_pixel=long_side))
+    image_kwargs = {"size": {"shortest_edge": family.image.params.min_pixels, "longest_edge": bound}}
     ref = reference(model, path, images=[Image.open(io.BytesIO(png))],
                     video_kwargs={"do_sample_frames": True, "fps": 2.0}, image_kwargs=image_kwargs)
     assert [b.modality.value for b in prepared.batches] == ["video", "image"]

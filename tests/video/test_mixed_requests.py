@@ -81,14 +81,20 @@ def test_distinct_clips_are_preprocessed_concurrently_and_a_repeated_clip_once(c
     calls: list[str] = []
     decodes: list[int] = []
 
-    class Spy:
+    class VideoSpy:
         def __getattr__(self, name: str):
-            return getattr(family, name)
+            return getattr(family.video, name)
 
-        def preprocess_video(self, video, plan, raw=False):
+        def preprocess(self, video, plan, raw=False):
             calls.append(video.content_hash)
             barrier.wait()
-            return family.preprocess_video(video, plan, raw)
+            return family.video.preprocess(video, plan, raw)
+
+    class Spy:
+        video = VideoSpy()
+
+        def __getattr__(self, name: str):
+            return getattr(family, name)
 
     real_decode = pipeline_module.decode_video
 

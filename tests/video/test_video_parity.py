@@ -42,7 +42,7 @@ from tests.video.video_support import (
 
 def decode(model: str, path: Path) -> DecodedVideo:
     family = pipeline(model).runtime.family
-    return decode_video(path.read_bytes(), lambda meta: family.sample_video(meta, ItemHints()), None, 30.0)
+    return decode_video(path.read_bytes(), lambda meta: family.video.sample(meta, ItemHints()), None, 30.0)
 
 
 @pytest.mark.parametrize("spec", [c for c in CLIPS if not (c.frames < 2)], ids=lambda c: c.name)
@@ -78,7 +78,7 @@ def test_clip_is_frame_for_frame_and_token_for_token_the_reference(model: str, s
     family = pipeline(model).runtime.family
     theirs = DecodedVideo(frames=np.ascontiguousarray(ref.frames[ref.indices]), meta=ours.meta,
                           frame_indices=tuple(ref.indices), rotation=0, content_hash="", num_bytes=0)
-    rows = family.preprocess_video(theirs, family.plan_video(theirs, ItemHints()))
+    rows = family.video.preprocess(theirs, family.video.plan(theirs, ItemHints()))
     assert float(np.abs(rows - pixels).max()) == 0.0
 
 

@@ -2,8 +2,9 @@
 
 Stage: api.  In: the raw JSON body; out: a validated
 :class:`ChatCompletionRequest`.  Content parts are a tagged union on ``type``:
-``text``, ``image_url``, ``video_url``, ``input_audio``; anything else is a
-400 ``invalid_request``.  An unknown top-level field is refused with 400
+``text``, ``image_url``, ``video_url``, ``input_audio``, ``image_embeds`` (parsed so that it is
+refused as ``multimodal_not_supported``: no engine wire takes embeddings, docs/engines.md); anything
+else is a 400 ``invalid_request``.  An unknown top-level field is refused with 400
 ``invalid_request`` naming it in ``param`` (vLLM logs and drops such fields;
 issue 14: refused, never dropped); unknown fields inside messages and parts
 are skipped, never built, but still count towards the nesting bound.
@@ -65,7 +66,15 @@ class AudioPart(msgspec.Struct, frozen=True, tag_field="type", tag="input_audio"
     input_audio: InputAudio
 
 
-ContentPart = TextPart | ImagePart | VideoPart | AudioPart
+class ImageEmbedsPart(msgspec.Struct, frozen=True, tag_field="type", tag="image_embeds"):
+    """vLLM's ``image_embeds`` part (``ChatCompletionContentPartImageEmbedsParam``): precomputed embeddings.
+    Refused before planning (:mod:`mmgate.api.capability`): no engine wire carries them."""
+
+    image_embeds: str | dict[str, str] | None = None
+    uuid: str | None = None
+
+
+ContentPart = TextPart | ImagePart | VideoPart | AudioPart | ImageEmbedsPart
 
 
 class FunctionCall(msgspec.Struct, frozen=True):
@@ -182,6 +191,9 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=T
     ignore_eos: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    #: per-request processor options, as vLLM's request field (e.g. Gemma 3 ``do_pan_and_scan``):
+    #: scalar values only; which names a model takes is its family's (refused otherwise)
+    mm_processor_kwargs: dict[str, bool | int | float | str] | None = None
     # structured outputs and tools (H-C2): at most one constraint; checked by mmgate.api.structured
     response_format: ResponseFormat | None = None
     guided_json: Any = None  # vLLM's guided fields: a JSON schema (object or its JSON text)
@@ -272,6 +284,7 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
     _check_more_sampling(req)
     _check_messages(req)
     _check_template_kwargs(req.chat_template_kwargs)
+    _check_mm_processor_kwargs(req.mm_processor_kwargs)
     _check_hints(req)
     from mmgate.api.structured import request_constraint  # noqa: PLC0415 - structured imports this module
     constraint = request_constraint(req)  # structured outputs and tool_choice: at most one constraint, each checked
@@ -286,6 +299,31 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
 
 
 _TOO_DEEP = f"request JSON is nested more than {MAX_JSON_DEPTH} levels deep"
+
+#: most ``mm_processor_kwargs`` entries, and the longest name or string value
+MAX_MM_PROCESSOR_KWARGS = 16
+MAX_MM_PROCESSOR_KWARG_CHARS = 64
+
+
+def _check_mm_processor_kwargs(kwargs: dict[str, bool | int | float | str] | None) -> None:
+    """Bound ``mm_processor_kwargs`` (the model's processor refuses names it does not take later,
+    before anything is fetched: ``MediaProcessor.check_hints``).
+
+    Raises:
+        GatewayError(INVALID_REQUEST): too many entries, a name or string too long, a non-finite number.
+    """
+    if not kwargs:
+        return
+    if len(kwargs) > MAX_MM_PROCESSOR_KWARGS:
+        raise GatewayError(ErrorCode.INVALID_REQUEST,
+                           f"mm_processor_kwargs may hold at most {MAX_MM_PROCESSOR_KWARGS} entries", "mm_processor_kwargs")
+    for name, value in kwargs.items():
+        if len(name) > MAX_MM_PROCESSOR_KWARG_CHARS or (isinstance(value, str) and len(value) > MAX_MM_PROCESSOR_KWARG_CHARS):
+            raise GatewayError(ErrorCode.INVALID_REQUEST, "mm_processor_kwargs names and values must be short",
+                               "mm_processor_kwargs")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise GatewayError(ErrorCode.INVALID_REQUEST, "mm_processor_kwargs numbers must be finite",
+                               f"mm_processor_kwargs.{name}" if name.isidentifier() else "mm_processor_kwargs")
 
 
 def _in_range(value: float, low: float, high: float, param: str, what: str) -> None:
@@ -509,7 +547,7 @@ def _validation_message(text: str) -> tuple[str, str | None]:
         param = f"{path}.{name}" if path else name
         return f"unknown field {param}: not a field of this API (refused, never ignored)", param
     if path.endswith(".type") and ".content[" in path:
-        what = "unknown content part type (expected text, image_url, video_url or input_audio)"
+        what = "unknown content part type (expected text, image_url, video_url, input_audio or image_embeds)"
     elif not what.startswith(_SAFE_OPENINGS) or len(what) > 120:
         what = "invalid value"
     where = f" at {path}" if path else ""

@@ -52,7 +52,7 @@ async def forward_media_refs(state: GatewayState, req: ChatCompletionRequest, re
     ``process_multimodal_plan`` line is written here, with ``mode=worker``)."""
     timings: dict[str, float] = {}
     pipeline = state.pipeline
-    plan, prompt, ids = await pipeline.render_prompt_async(req, timings)
+    plan, prompt, ids, _ = await pipeline.render_prompt_async(req, timings)
     sampling = pipeline._sampling(req, len(ids))  # the unexpanded length: a lower bound
     refs = plan.media
     with metrics.stage("forward_checks", timings):

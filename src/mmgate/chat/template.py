@@ -101,6 +101,69 @@ def compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def _is_var_access(node: jinja2.nodes.Node, varname: str) -> bool:
+    return isinstance(node, jinja2.nodes.Name) and node.ctx == "load" and node.name == varname
+
+
+def _is_attr_access(node: jinja2.nodes.Node, varname: str, key: str) -> bool:
+    if isinstance(node, jinja2.nodes.Getitem):
+        return (_is_var_access(node.node, varname) and isinstance(node.arg, jinja2.nodes.Const)
+                and node.arg.value == key)
+    if isinstance(node, jinja2.nodes.Getattr):
+        return _is_var_access(node.node, varname) and node.attr == key
+    return False
+
+
+def _is_var_or_elems_access(node: jinja2.nodes.Node, varname: str, key: str | None = None) -> bool:
+    if isinstance(node, jinja2.nodes.Filter):
+        return node.node is not None and _is_var_or_elems_access(node.node, varname, key)
+    if isinstance(node, jinja2.nodes.Test):
+        return _is_var_or_elems_access(node.node, varname, key)
+    if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice):
+        return _is_var_or_elems_access(node.node, varname, key)
+    return _is_attr_access(node, varname, key) if key else _is_var_access(node, varname)
+
+
+def _assigned_names(root: jinja2.nodes.Node, varname: str) -> list[str]:
+    """``varname`` and every name assigned from it (or from its elements), transitively."""
+    names, queue = [varname], [varname]
+    while queue:
+        current = queue.pop(0)
+        for assign in root.find_all(jinja2.nodes.Assign):
+            target = assign.target
+            if _is_var_or_elems_access(assign.node, current) and isinstance(target, jinja2.nodes.Name):
+                if target.name not in names:
+                    names.append(target.name)
+                    queue.append(target.name)
+    return names
+
+
+@lru_cache(maxsize=16)
+def content_format(source: str) -> str:
+    """``openai`` when the template loops over a message's ``content`` (it expects a list of parts),
+    else ``string``.
+
+    Mirrors vLLM ``vllm/entrypoints/chat_utils.py`` ``_detect_content_format`` (v0.11: a ``for``
+    over ``message['content']`` / ``message.content`` of a ``for message in messages`` loop, names
+    assigned from ``messages`` included), which decides whether vLLM passes a string ``content`` to
+    the template as it is or as ``[{"type": "text", "text": ...}]``.  A template that does not parse
+    counts as ``string`` (vLLM's default).
+    """
+    try:
+        root = compile_template(source).environment.parse(source)
+    except jinja2.TemplateError:
+        return "string"
+    message_names: list[str] = []
+    for loop in root.find_all(jinja2.nodes.For):
+        if any(_is_var_or_elems_access(loop.iter, v) for v in _assigned_names(root, "messages")):
+            if isinstance(loop.target, jinja2.nodes.Name):
+                message_names.append(loop.target.name)
+    for loop in root.find_all(jinja2.nodes.For):
+        if any(_is_var_or_elems_access(loop.iter, v, "content") for v in message_names):
+            return "openai"
+    return "string"
+
+
 def _alias_reasoning(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """transformers ``_alias_reasoning_fields``: fill ``reasoning_content`` / ``thinking``."""
     out: list[dict[str, Any]] = []

@@ -16,6 +16,7 @@ with ``bos_token``.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -105,6 +106,8 @@ class BundleTokenizer:
     #: a copy of ``tokenizer`` with special-token matching off, made on first use (typed reserved strings)
     _plain: list[Tokenizer] = field(default_factory=list)
     _plain_lock: threading.Lock = field(default_factory=threading.Lock)
+    #: the added-token splitter, made on first use (:meth:`_added_token_splitter`)
+    _splitter: list[re.Pattern[str] | None] = field(default_factory=list)
 
     @property
     def bos_token(self) -> str | None:
@@ -125,30 +128,79 @@ class BundleTokenizer:
 
     def encode_segments(self, segments: Sequence[tuple[str, bool]], reserved_ids: frozenset[int]) -> list[int]:
         """Token ids of a prompt given as ``(text, typed)`` pieces (:meth:`Sanitized.segments
-        <mmgate.chat.integrity.Sanitized.segments>`): template pieces as :meth:`encode_prompt`
-        (special tokens added only before the first), typed pieces with special-token matching off.
-        One template piece is exactly :meth:`encode_prompt`.
+        <mmgate.chat.integrity.Sanitized.segments>`): template pieces as :meth:`encode_prompt`,
+        typed pieces as plain text (special-token matching off).  One template piece is exactly
+        :meth:`encode_prompt`.
+
+        Typed text is tokenized *together with its neighbours*: the prompt is cut only where the
+        template itself holds an added token (the tokenizer splits there too), and each stretch
+        between two such tokens that holds typed text is tokenized whole with the plain tokenizer,
+        as if the caller had typed all of it (template text there holds no added token, so it
+        tokenizes the same either way).  Tokenizing the pieces one by one would differ wherever
+        the tokenizer joins or prefixes across a cut (SentencePiece tokenizers prepend ``▁`` to
+        every piece they are given: LLaVA's Llama and Mistral tokenizers).  BOS/EOS are added
+        once, around the whole, unless the prompt starts with ``bos_token``.
 
         Raises:
-            GatewayError(RESERVED_TOKEN_IN_TEXT): a typed piece still tokenizes to an id in
+            GatewayError(RESERVED_TOKEN_IN_TEXT): a typed stretch still tokenizes to an id in
                 ``reserved_ids`` (a reserved token that is not a special added token).
         """
         if len(segments) == 1 and not segments[0][1]:
             return self.encode_prompt(segments[0][0])
         plain = self._plain_tokenizer()
-        pieces = []
-        for text, typed in segments:
-            encoding = (plain if typed else self.tokenizer).encode_batch([text], add_special_tokens=False)[0]
-            if typed and reserved_ids.intersection(encoding.ids):
+        pieces: list[Encoding] = []
+        stretch: list[str] = []
+        typed_in_stretch = False
+
+        def flush() -> None:
+            nonlocal typed_in_stretch
+            if not stretch:
+                return
+            text = "".join(stretch)
+            encoding = (plain if typed_in_stretch else self.tokenizer).encode_batch([text], add_special_tokens=False)[0]
+            if typed_in_stretch and reserved_ids.intersection(encoding.ids):
                 raise GatewayError(ErrorCode.RESERVED_TOKEN_IN_TEXT,
-                                   f"text contains the model's reserved token {text!r} in a form that cannot be "
-                                   "sent as plain text", "messages")
+                                   "text contains one of the model's reserved tokens in a form that cannot be sent "
+                                   "as plain text", "messages")
             pieces.append(encoding)
+            stretch.clear()
+            typed_in_stretch = False
+
+        splitter = self._added_token_splitter()
+        for text, typed in segments:
+            if typed:
+                stretch.append(text)
+                typed_in_stretch = True
+                continue
+            matches = list(splitter.finditer(text)) if splitter is not None else []
+            if not matches:
+                stretch.append(text)
+                continue
+            # Head (up to the first added token) joins the open stretch; the part from the first
+            # to the last added token is tokenized whole, as before; the tail opens a new stretch.
+            first, last = matches[0].start(), matches[-1].end()
+            if first:
+                stretch.append(text[:first])
+            flush()
+            pieces.append(self.tokenizer.encode_batch([text[first:last]], add_special_tokens=False)[0])
+            if last < len(text):
+                stretch.append(text[last:])
+        flush()
         merged = Encoding.merge(pieces, growing_offsets=True)
-        first = segments[0][0]
-        if not (self.bos_token is not None and first.startswith(self.bos_token)):
+        opening = segments[0][0]
+        if not (self.bos_token is not None and opening.startswith(self.bos_token)):
             merged = self.tokenizer.post_process(merged, add_special_tokens=True)  # BOS/EOS once, around the whole
         return list(merged.ids)
+
+    def _added_token_splitter(self) -> re.Pattern[str] | None:
+        """A pattern matching every added token's content (longest first), where the tokenizer splits
+        a text before anything else; None when there are none."""
+        with self._plain_lock:
+            if not self._splitter:
+                contents = sorted({t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.content},
+                                  key=len, reverse=True)
+                self._splitter.append(re.compile("|".join(re.escape(c) for c in contents)) if contents else None)
+            return self._splitter[0]
 
     def exceeds(self, text: str, limit: int, chunk_chars: int = 1 << 20) -> bool:
         """Whether ``text`` certainly tokenizes to more than ``limit`` tokens, found without holding the

@@ -58,7 +58,9 @@ from mmgate.types import (
 )
 
 ENGINE = "vllm"
-PRIMARY_KEY = "pixel_values"
+#: the wire field of the encoder input; a family whose encoder input has another name sends it
+#: here too and names it in ``encoder_input_key`` (``smg_grpc_servicer/vllm/mm_keys.py``)
+DEFAULT_PRIMARY_KEY = "pixel_values"
 _MODALITY = {Modality.IMAGE: common_pb2.IMAGE, Modality.VIDEO: common_pb2.VIDEO, Modality.AUDIO: common_pb2.AUDIO}
 _UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
                 grpc.StatusCode.CANCELLED}
@@ -139,7 +141,7 @@ def _sent(name: str, path: str, nbytes: int) -> None:
 
 
 def _tensor_data(array: np.ndarray, dtype_name: str, wire: WirePlan,
-                 lease: ShmLease | None, key: str = PRIMARY_KEY) -> vllm_engine_pb2.TensorData:
+                 lease: ShmLease | None, key: str = DEFAULT_PRIMARY_KEY) -> vllm_engine_pb2.TensorData:
     """Inline or shared-memory ``TensorData`` for tensor ``key`` (shm failures fall back to inline)."""
     if lease is not None and wire.use_shm(array.nbytes):
         try:
@@ -173,13 +175,16 @@ def build_mm_inputs(batch: EncoderBatch, wire: WirePlan = INLINE_FLOAT32,
         keep_on_cpu_keys=list(batch.keep_on_cpu_keys),
         modality=_MODALITY[batch.modality],
     )
+    primary_key = batch.primary_key
+    if primary_key != DEFAULT_PRIMARY_KEY:
+        mm.encoder_input_key = primary_key
     for name, array in batch.tensors.items():
         assert isinstance(array, np.ndarray), "a pending tensor is placed by encode_generate_request"
         dtype_name = ""
-        if name == PRIMARY_KEY:
+        if name == primary_key:
             array, dtype_name = convert_encoder_input(array, wire.encoder_dtype)
         td = _tensor_data(array, dtype_name, wire, lease, name)
-        if name == PRIMARY_KEY:
+        if name == primary_key:
             mm.pixel_values.CopyFrom(td)
         else:
             mm.model_specific_tensors[name].CopyFrom(td)
@@ -208,13 +213,14 @@ class _InlineTail:
 
 
 def _place_pending(pending: PendingTensor, wire: WirePlan, lease: ShmLease | None, first: bool,
-                   targets: list[tuple[PendingTensor, RowTarget]]) -> tuple[vllm_engine_pb2.TensorData, _InlineTail | None]:
+                   targets: list[tuple[PendingTensor, RowTarget]],
+                   key: str = DEFAULT_PRIMARY_KEY) -> tuple[vllm_engine_pb2.TensorData, _InlineTail | None]:
     """The ``TensorData`` of a pending primary tensor: a new shm segment (its target recorded in
     ``targets``) when the plan allows, else inline at the end of the request (first batch only)."""
-    rows, width = pending.shape
+    rows, width = pending.rows, pending.width
     dtype_name, itemsize, convert = _wire_form(pending.dtype, wire.encoder_dtype)
     nbytes = rows * width * itemsize
-    shape = [rows, width]
+    shape = list(pending.shape)
     if lease is not None and wire.use_shm(nbytes):
         try:
             name = shm.create_segment(nbytes, reserve=False)  # pages come with the pool's writes
@@ -223,11 +229,11 @@ def _place_pending(pending: PendingTensor, wire: WirePlan, lease: ShmLease | Non
         else:
             lease.add(name)
             targets.append((pending, ShmTarget(name, width, itemsize, convert)))
-            _sent(PRIMARY_KEY, "shm", nbytes)
+            _sent(key, "shm", nbytes)
             handle = common_pb2.ShmHandle(name=name, offset=0, nbytes=nbytes, owner_id=f"mmgate-{os.getpid()}")
             return vllm_engine_pb2.TensorData(shape=shape, dtype=dtype_name, shm=handle), None
     assert first, "the pipeline defers only the first batch's pixels"
-    _sent(PRIMARY_KEY, "inline", nbytes)
+    _sent(key, "inline", nbytes)
     return (vllm_engine_pb2.TensorData(shape=shape, dtype=dtype_name),
             _InlineTail(nbytes=nbytes, pending=pending, width=width, itemsize=itemsize, convert=convert))
 
@@ -308,30 +314,30 @@ def _build(req: PreparedRequest, wire: WirePlan, lease: ShmLease | None, defer_p
     )
     tail: _InlineTail | None = None
     for i, batch in enumerate(req.batches):
-        primary = batch.tensors.get(PRIMARY_KEY)
+        key = batch.primary_key
+        primary = batch.tensors.get(key)
         if isinstance(primary, PendingTensor) or (i == 0 and defer_primary and primary is not None):
             rest = EncoderBatch(
-                modality=batch.modality, tensors={k: v for k, v in batch.tensors.items() if k != PRIMARY_KEY},
-                batched_keys=batch.batched_keys, flat_keys=batch.flat_keys,
-                keep_on_cpu_keys=batch.keep_on_cpu_keys, placeholder_token_id=batch.placeholder_token_id,
+                modality=batch.modality, tensors={k: v for k, v in batch.tensors.items() if k != key},
+                specs=batch.specs, placeholder_token_id=batch.placeholder_token_id,
                 placeholders=batch.placeholders, mm_hashes=batch.mm_hashes)
             mm = build_mm_inputs(rest, wire, lease)
             if isinstance(primary, PendingTensor):
                 assert targets is not None, "a pending tensor needs encode_generate_request"
-                td, tail_i = _place_pending(primary, wire, lease, i == 0, targets)
+                td, tail_i = _place_pending(primary, wire, lease, i == 0, targets, key)
                 mm.pixel_values.CopyFrom(td)
                 tail = tail_i or tail
             else:
                 assert primary is not None
                 array, dtype_name = convert_encoder_input(primary, wire.encoder_dtype)
                 if lease is not None and wire.use_shm(array.nbytes):
-                    mm.pixel_values.CopyFrom(_tensor_data(array, dtype_name, wire, lease))
+                    mm.pixel_values.CopyFrom(_tensor_data(array, dtype_name, wire, lease, key))
                 else:
                     # Sent inline: serialize everything else now, append these bytes once at the end.
                     mm.pixel_values.CopyFrom(vllm_engine_pb2.TensorData(
                         shape=list(array.shape), dtype=dtype_name or wire_dtype_name(array)))
                     tail = _InlineTail(nbytes=array.nbytes, array=np.ascontiguousarray(array))
-                    _sent(PRIMARY_KEY, "inline", array.nbytes)
+                    _sent(key, "inline", array.nbytes)
         else:
             mm = build_mm_inputs(batch, wire, lease)
         if i == 0:

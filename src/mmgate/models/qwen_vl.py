@@ -24,7 +24,7 @@ outside), which is what vLLM's ``PromptReplacement`` for Qwen2-VL produces.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,15 +40,12 @@ from mmgate.models.qwen_vl_video import QwenVLVideo
 from mmgate.settings import ImageBackend
 from mmgate.types import (
     DecodedImage,
-    DecodedVideo,
-    EncoderBatch,
     ItemHints,
     ItemPlan,
     Modality,
-    PendingTensor,
     Replacement,
-    VideoMeta,
-    VideoPlan,
+    TensorLayout,
+    TensorSpec,
 )
 
 # transformers 5.24 Qwen2VLImageProcessor class attributes
@@ -102,6 +99,143 @@ def image_params_from_config(cfg: Mapping[str, Any]) -> QwenVLImageParams:
     )
 
 
+#: Qwen-VL image tensors, in vLLM's layout (``qwen2_vl.py`` ``_create_qwen2vl_field_factory``)
+IMAGE_SPECS = (
+    TensorSpec("pixel_values", "float32", TensorLayout.FLAT, sizes_key="patches_per_image", primary=True),
+    TensorSpec("image_grid_thw", "int64", TensorLayout.BATCHED, keep_on_cpu=True),
+    TensorSpec("patches_per_image", "int64", TensorLayout.BATCHED),
+)
+
+
+class QwenVLImage:
+    """Qwen-VL images: ``smart_resize``, patch rows, a pad run per image (see module docstring).
+
+    Implements :class:`~mmgate.models.family.ImageProcessor` and
+    :class:`~mmgate.models.family.RowWriter`.
+    """
+
+    modality = Modality.IMAGE
+    specs = IMAGE_SPECS
+
+    def __init__(self, model_type: str, params: QwenVLImageParams, image_token_id: int,
+                 backend: ImageBackend) -> None:
+        self.model_type = model_type
+        self.params = params
+        self.image_token_id = image_token_id
+        self.backend = backend
+        lut = geometry.normalize_lut(backend, params.rescale_factor, params.image_mean, params.image_std,
+                                     params.do_rescale, params.do_normalize)
+        self._normalizer = RowNormalizer.for_table(lut, params.rescale_factor, params.image_mean, params.image_std,
+                                                   params.do_rescale, params.do_normalize)
+
+    @property
+    def anchor_token_id(self) -> int:
+        return self.image_token_id
+
+    @property
+    def placeholder_token_id(self) -> int:
+        return self.image_token_id
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the model and every preprocessing setting (cache and hash key)."""
+        return f"qwen_vl:{self.model_type}:{self.backend.value}:{self.params!r}"
+
+    def check_hints(self, hints: ItemHints, param: str) -> None:
+        """Model-dependent hint checks, before any fetch.
+
+        Raises:
+            GatewayError(INVALID_REQUEST): ``max_long_side_pixel`` not a multiple of the resize
+                factor; any ``mm_processor_kwargs`` (Qwen-VL takes none per request here).
+        """
+        if hints.max_long_side_pixel is not None and hints.max_long_side_pixel % self.params.factor:
+            raise GatewayError(ErrorCode.INVALID_REQUEST,
+                               f"max_long_side_pixel must be a positive multiple of {self.params.factor}",
+                               param + ".max_long_side_pixel")
+        check_no_options(hints, self.model_type)
+
+    def image_max_pixels(self, height: int, width: int, hints: ItemHints | None) -> int:
+        """``size["longest_edge"]`` for one image: the config's, or a ``max_long_side_pixel`` hint's bound."""
+        p = self.params
+        if hints is None or hints.max_long_side_pixel is None or not p.do_resize:
+            return p.max_pixels
+        return long_side_bound(lambda bound: geometry.smart_resize(height, width, p.factor, p.min_pixels, bound),
+                               height, width, hints.max_long_side_pixel, p.max_pixels)
+
+    def plan(self, height: int, width: int, hints: ItemHints | None = None) -> ItemPlan:
+        """Geometry of one image from its size (``smart_resize`` + grid); ``detail`` = grid ``(1, h, w)``."""
+        p = self.params
+        if p.do_resize:
+            rh, rw = geometry.smart_resize(height, width, p.factor, p.min_pixels,
+                                           self.image_max_pixels(height, width, hints))
+        else:
+            rh, rw = height, width
+            if rh % p.factor or rw % p.factor:
+                raise GatewayError(ErrorCode.INVALID_REQUEST, "image size is not a multiple of the patch grid")
+        gh, gw = rh // p.patch_size, rw // p.patch_size
+        return ItemPlan(
+            modality=Modality.IMAGE, original_hw=(height, width), resized_hw=(rh, rw),
+            num_tokens=gh * gw // (p.merge_size**2),
+            shapes=(("pixel_values", (gh * gw, p.patch_dim)), ("image_grid_thw", (3,)), ("patches_per_image", ())),
+            detail=(1, gh, gw),
+        )
+
+    def plan_tensors(self, plan: ItemPlan) -> dict[str, np.ndarray]:
+        """``image_grid_thw`` ``[3]`` and ``patches_per_image`` (rows) of one image, int64."""
+        return {"image_grid_thw": np.array(plan.detail, dtype=np.int64),
+                "patches_per_image": np.array(plan.primary_shape[0], dtype=np.int64)}
+
+    def resized(self, image: DecodedImage, plan: ItemPlan) -> DecodedImage:
+        """``image`` with its pixels at ``plan.resized_hw`` (itself when the size is unchanged).
+
+        No resize when the size is unchanged: both references return the image as
+        it is then (``PIL.Image.resize`` returns a copy, torchvision's
+        ``resize_image`` the input), so the values are the same.
+        """
+        p = self.params
+        if not p.do_resize or plan.resized_hw == image.pixels.shape[:2]:
+            return image
+        pixels = geometry.resize_uint8(image.pixels, plan.resized_hw, p.resample, self.backend)
+        return DecodedImage(pixels=pixels, content_hash=image.content_hash, num_bytes=image.num_bytes)
+
+    def preprocess(self, image: DecodedImage, plan: ItemPlan, raw: bool = False) -> np.ndarray:
+        """One image -> ``[grid_h*grid_w, C*T*P*P]`` rows of ``pixel_values``.
+
+        float32 normalized values (the reference's), or with ``raw`` the resized
+        uint8 pixels in the same layout, for a worker that rescales and
+        normalizes on device (``mm_device_do_normalize``).
+        """
+        p = self.params
+        return image_rows(self.resized(image, plan).pixels, p.patch_size, p.merge_size, p.temporal_patch_size,
+                          None if raw else self._normalizer)
+
+    def write_rows(self, image: DecodedImage, plan: ItemPlan, raw: bool, sink: RowSink,
+                   band: tuple[int, int] = (0, 1)) -> int:
+        """:meth:`preprocess` handing its rows to ``sink(first_row, rows)`` block by block
+        (``image_rows.write_rows``, ``band`` as there); returns the rows written.  Pass an image
+        already :meth:`resized` when writing it in several bands."""
+        p = self.params
+        return write_rows(self.resized(image, plan).pixels, p.patch_size, p.merge_size, p.temporal_patch_size,
+                          None if raw else self._normalizer, sink, band=band)
+
+    def expand(self, plan: ItemPlan) -> Replacement:
+        """The pad run replacing one ``<|image_pad|>`` anchor."""
+        return Replacement(token_ids=(self.image_token_id,) * plan.num_tokens, embed_offset=0,
+                           embed_length=plan.num_tokens)
+
+
+def check_no_options(hints: ItemHints, model_type: str) -> None:
+    """Refuse ``mm_processor_kwargs`` for a processor that takes none per request.
+
+    Raises:
+        GatewayError(INVALID_REQUEST): ``param`` ``mm_processor_kwargs``.
+    """
+    if hints.options:
+        raise GatewayError(ErrorCode.INVALID_REQUEST,
+                           f"{model_type} takes no mm_processor_kwargs here (got {', '.join(k for k, _ in hints.options)})",
+                           "mm_processor_kwargs")
+
+
 class QwenVLFamily:
     """Qwen2-VL / Qwen2.5-VL / Qwen3-VL images and videos (see module docstring).
 
@@ -115,19 +249,12 @@ class QwenVLFamily:
     image_token = "<|image_pad|>"
     video_tokens = ("<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
 
-    def __init__(self, model_type: str, image: QwenVLImageParams, image_token_id: int,
-                 backend: ImageBackend, video: QwenVLVideo | None = None) -> None:
+    def __init__(self, model_type: str, image: QwenVLImage, video: QwenVLVideo | None = None) -> None:
         self.model_type = model_type
         self.image = image
-        self.image_token_id = image_token_id
-        self.backend = backend
         self.video = video
         if video is None:
             self.limits = {Modality.IMAGE: QwenVLFamily.limits[Modality.IMAGE]}
-        lut = geometry.normalize_lut(backend, image.rescale_factor, image.image_mean, image.image_std,
-                                     image.do_rescale, image.do_normalize)
-        self._normalizer = RowNormalizer.for_table(lut, image.rescale_factor, image.image_mean, image.image_std,
-                                                   image.do_rescale, image.do_normalize)
 
     @classmethod
     def from_bundle(cls, bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageBackend,
@@ -142,8 +269,8 @@ class QwenVLFamily:
         config_id = bundle.config.get("image_token_id")
         if token_id is None or (config_id is not None and int(config_id) != token_id):
             raise GatewayError(ErrorCode.INTERNAL_ERROR, f"bundle {bundle.name!r}: <|image_pad|> id disagrees with config")
-        return cls(bundle.model_type, image_params_from_config(cfg), token_id, backend,
-                   cls._video_from_bundle(bundle, tokenizer, video_backend))
+        image = QwenVLImage(bundle.model_type, image_params_from_config(cfg), token_id, backend)
+        return cls(bundle.model_type, image, cls._video_from_bundle(bundle, tokenizer, video_backend))
 
     @classmethod
     def _video_from_bundle(cls, bundle: ModelBundle, tokenizer: BundleTokenizer,
@@ -170,7 +297,7 @@ class QwenVLFamily:
     @property
     def fingerprint(self) -> str:
         """Identifies the model and every preprocessing setting (cache and hash key)."""
-        return f"qwen_vl:{self.model_type}:{self.backend.value}:{self.image!r}"
+        return self.image.fingerprint
 
     @property
     def reserved_tokens(self) -> tuple[str, ...]:
@@ -179,138 +306,5 @@ class QwenVLFamily:
         may never contain them (:mod:`mmgate.chat.integrity`), with or without video support."""
         return (self.image_token, *self.video_tokens)
 
-    def anchor_token_id(self, modality: Modality) -> int:
-        if modality is Modality.IMAGE:
-            return self.image_token_id
-        if modality is Modality.VIDEO and self.video is not None:
-            return self.video.video_token_id
-        raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED, f"{self.model_type} does not take {modality.value} input here")
 
-    def check_hints(self, modality: Modality, hints: ItemHints, param: str) -> None:
-        """Model-dependent hint checks, before any fetch.
-
-        Raises:
-            GatewayError(INVALID_REQUEST): ``max_long_side_pixel`` not a multiple of the resize factor.
-        """
-        if modality is Modality.VIDEO and self.video is not None:
-            self.video.check_hints(hints, param)
-        elif hints.max_long_side_pixel is not None and hints.max_long_side_pixel % self.image.factor:
-            raise GatewayError(ErrorCode.INVALID_REQUEST,
-                               f"max_long_side_pixel must be a positive multiple of {self.image.factor}",
-                               param + ".max_long_side_pixel")
-
-    def image_max_pixels(self, height: int, width: int, hints: ItemHints | None) -> int:
-        """``size["longest_edge"]`` for one image: the config's, or a ``max_long_side_pixel`` hint's bound."""
-        p = self.image
-        if hints is None or hints.max_long_side_pixel is None or not p.do_resize:
-            return p.max_pixels
-        return long_side_bound(lambda bound: geometry.smart_resize(height, width, p.factor, p.min_pixels, bound),
-                               height, width, hints.max_long_side_pixel, p.max_pixels)
-
-    def plan(self, modality: Modality, height: int, width: int, hints: ItemHints | None = None) -> ItemPlan:
-        """Geometry of one image from its size (``smart_resize`` + grid)."""
-        if modality is not Modality.IMAGE:
-            self.anchor_token_id(modality)
-        p = self.image
-        if p.do_resize:
-            rh, rw = geometry.smart_resize(height, width, p.factor, p.min_pixels,
-                                           self.image_max_pixels(height, width, hints))
-        else:
-            rh, rw = height, width
-            if rh % p.factor or rw % p.factor:
-                raise GatewayError(ErrorCode.INVALID_REQUEST, "image size is not a multiple of the patch grid")
-        gh, gw = rh // p.patch_size, rw // p.patch_size
-        return ItemPlan(
-            modality=Modality.IMAGE, original_hw=(height, width), resized_hw=(rh, rw), grid_thw=(1, gh, gw),
-            num_patches=gh * gw, num_tokens=gh * gw // (p.merge_size**2),
-        )
-
-    def resized(self, image: DecodedImage, plan: ItemPlan) -> DecodedImage:
-        """``image`` with its pixels at ``plan.resized_hw`` (itself when the size is unchanged).
-
-        No resize when the size is unchanged: both references return the image as
-        it is then (``PIL.Image.resize`` returns a copy, torchvision's
-        ``resize_image`` the input), so the values are the same.
-        """
-        p = self.image
-        if not p.do_resize or plan.resized_hw == image.pixels.shape[:2]:
-            return image
-        pixels = geometry.resize_uint8(image.pixels, plan.resized_hw, p.resample, self.backend)
-        return DecodedImage(pixels=pixels, content_hash=image.content_hash, num_bytes=image.num_bytes)
-
-    def preprocess_one(self, image: DecodedImage, plan: ItemPlan, raw: bool = False) -> np.ndarray:
-        """One image -> ``[grid_h*grid_w, C*T*P*P]`` rows of ``pixel_values``.
-
-        float32 normalized values (the reference's), or with ``raw`` the resized
-        uint8 pixels in the same layout, for a worker that rescales and
-        normalizes on device (``mm_device_do_normalize``).
-        """
-        p = self.image
-        return image_rows(self.resized(image, plan).pixels, p.patch_size, p.merge_size, p.temporal_patch_size,
-                          None if raw else self._normalizer)
-
-    def write_one(self, image: DecodedImage, plan: ItemPlan, raw: bool, sink: RowSink,
-                  band: tuple[int, int] = (0, 1)) -> int:
-        """:meth:`preprocess_one` handing its rows to ``sink(first_row, rows)`` block by block
-        (``image_rows.write_rows``, ``band`` as there); returns the rows written.  Pass an image
-        already :meth:`resized` when writing it in several bands."""
-        p = self.image
-        return write_rows(self.resized(image, plan).pixels, p.patch_size, p.merge_size, p.temporal_patch_size,
-                          None if raw else self._normalizer, sink, band=band)
-
-    @property
-    def row_width(self) -> int:
-        """Values per ``pixel_values`` row: ``C*T*P*P``."""
-        return self.image.patch_dim
-
-    def assemble(self, rows: Sequence[np.ndarray], plans: Sequence[ItemPlan],
-                 pixel_values: PendingTensor | None = None) -> EncoderBatch:
-        """Stack per-image rows into the batch the engine receives (no placeholders yet).
-
-        ``pixel_values``: the rows of all ``plans`` still to be computed (``rows`` is then empty).
-        """
-        grid = np.array([pl.grid_thw for pl in plans], dtype=np.int64).reshape(len(plans), 3)
-        return EncoderBatch(
-            modality=Modality.IMAGE,
-            tensors={
-                "pixel_values": pixel_values if pixel_values is not None else geometry.concat_rows(
-                    rows, self.image.patch_dim, rows[0].dtype if rows else np.dtype(np.float32)),
-                "image_grid_thw": grid,
-                "patches_per_image": np.array([pl.num_patches for pl in plans], dtype=np.int64),
-            },
-            batched_keys=("image_grid_thw", "patches_per_image"),
-            flat_keys={"pixel_values": "patches_per_image"},
-            keep_on_cpu_keys=("image_grid_thw",),
-            placeholder_token_id=self.image_token_id,
-        )
-
-    def expand(self, plan: ItemPlan) -> Replacement:
-        """The pad run replacing one ``<|image_pad|>`` anchor."""
-        return Replacement(token_ids=(self.image_token_id,) * plan.num_tokens, embed_offset=0,
-                           embed_length=plan.num_tokens)
-
-    # -- video (mmgate.models.qwen_vl_video) ------------------------------------------------
-
-    def _video(self) -> QwenVLVideo:
-        if self.video is None:
-            raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED, f"{self.model_type} does not take video input here")
-        return self.video
-
-    @property
-    def video_fingerprint(self) -> str:
-        return self._video().fingerprint
-
-    def sample_video(self, meta: VideoMeta, hints: ItemHints) -> list[int]:
-        return self._video().sample(meta, hints)
-
-    def plan_video(self, video: DecodedVideo, hints: ItemHints) -> VideoPlan:
-        return self._video().plan(video, hints)
-
-    def preprocess_video(self, video: DecodedVideo, plan: VideoPlan, raw: bool = False) -> np.ndarray:
-        return self._video().preprocess(video, plan, raw)
-
-    def assemble_video(self, rows: Sequence[np.ndarray], plans: Sequence[VideoPlan]) -> EncoderBatch:
-        return self._video().assemble(rows, plans)
-
-    def expand_video(self, plan: VideoPlan) -> Replacement:
-        return self._video().expand(plan)
+FAMILY = QwenVLFamily

@@ -38,7 +38,7 @@ which replaces the template's outer markers too, the outer
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -56,14 +56,16 @@ from mmgate.models.video_pixels import FrameProcessor
 from mmgate.settings import ImageBackend
 from mmgate.types import (
     DecodedVideo,
-    EncoderBatch,
     ItemHints,
     ItemPlan,
     Modality,
     Replacement,
+    TensorLayout,
+    TensorSpec,
     VideoMeta,
     VideoPlan,
 )
+
 
 class QwenVLVideo:
     """Video planning, preprocessing and expansion of one Qwen-VL bundle.
@@ -91,17 +93,38 @@ class QwenVLVideo:
                                       params.do_rescale, params.do_normalize)
         self._timestamp_ids: dict[str, tuple[int, ...]] = {}
         self._lock = threading.Lock()
+        specs = [TensorSpec("pixel_values", "float32", TensorLayout.FLAT, sizes_key="patches_per_video", primary=True),
+                 TensorSpec("video_grid_thw", "int64", TensorLayout.BATCHED, keep_on_cpu=True),
+                 TensorSpec("patches_per_video", "int64", TensorLayout.BATCHED)]
+        if model_type == "qwen2_5_vl":
+            specs.append(TensorSpec("second_per_grid_ts", "float32", TensorLayout.BATCHED))
+        #: vLLM's layout (``qwen2_vl.py`` ``_create_qwen2vl_field_factory``; Qwen2.5-VL adds ``second_per_grid_ts``)
+        self.specs: tuple[TensorSpec, ...] = tuple(specs)
+
+    modality = Modality.VIDEO
+
+    @property
+    def anchor_token_id(self) -> int:
+        return self.video_token_id
+
+    @property
+    def placeholder_token_id(self) -> int:
+        return self.video_token_id
 
     @property
     def fingerprint(self) -> str:
         return f"qwen_vl_video:{self.model_type}:{self.backend.value}:{self.p!r}"
 
     def check_hints(self, hints: ItemHints, param: str) -> None:
-        """Raises GatewayError(INVALID_REQUEST): ``max_long_side_pixel`` not a multiple of the resize factor."""
+        """Raises GatewayError(INVALID_REQUEST): ``max_long_side_pixel`` not a multiple of the resize
+        factor; any ``mm_processor_kwargs``."""
         if hints.max_long_side_pixel is not None and hints.max_long_side_pixel % self.p.factor:
             raise GatewayError(ErrorCode.INVALID_REQUEST,
                                f"max_long_side_pixel must be a positive multiple of {self.p.factor}",
                                param + ".max_long_side_pixel")
+        if hints.options:
+            raise GatewayError(ErrorCode.INVALID_REQUEST, f"{self.model_type} takes no mm_processor_kwargs here",
+                               "mm_processor_kwargs")
 
     def sample(self, meta: VideoMeta, hints: ItemHints) -> list[int]:
         return sample_indices(self.p, meta, hints)
@@ -143,9 +166,12 @@ class QwenVLVideo:
                 raise GatewayError(ErrorCode.INVALID_REQUEST, "video size is not a multiple of the patch grid")
         grid_t = -(-frames // p.temporal_patch_size)
         gh, gw = rh // p.patch_size, rw // p.patch_size
+        shapes: tuple[tuple[str, tuple[int, ...]], ...] = (
+            ("pixel_values", (grid_t * gh * gw, p.patch_dim)), ("video_grid_thw", (3,)), ("patches_per_video", ()))
+        if len(self.specs) > 3:
+            shapes += (("second_per_grid_ts", ()),)
         item = ItemPlan(modality=Modality.VIDEO, original_hw=(height, width), resized_hw=(rh, rw),
-                        grid_thw=(grid_t, gh, gw), num_patches=grid_t * gh * gw,
-                        num_tokens=grid_t * gh * gw // (p.merge_size**2))
+                        num_tokens=grid_t * gh * gw // (p.merge_size**2), shapes=shapes, detail=(grid_t, gh, gw))
         return VideoPlan(item=item, frame_indices=video.frame_indices, total_frames=video.meta.total_frames,
                          source_fps=video.meta.fps, max_pixels=max_pixels)
 
@@ -156,24 +182,15 @@ class QwenVLVideo:
         return self._pixels(video.frames, plan.item.resized_hw if p.do_resize else None, p.resample, p.patch_size,
                             p.merge_size, p.temporal_patch_size, raw)
 
-    def assemble(self, rows: Sequence[np.ndarray], plans: Sequence[VideoPlan]) -> EncoderBatch:
-        """The video batch: ``pixel_values`` flat by ``patches_per_video``; ``video_grid_thw``,
-        ``patches_per_video`` (and for Qwen2.5-VL ``second_per_grid_ts``) batched."""
-        grid = np.array([pl.item.grid_thw for pl in plans], dtype=np.int64).reshape(len(plans), 3)
-        tensors = {
-            "pixel_values": geometry.concat_rows(rows, self.p.patch_dim, rows[0].dtype if rows else np.dtype(np.float32)),
-            "video_grid_thw": grid,
-            "patches_per_video": np.array([pl.item.num_patches for pl in plans], dtype=np.int64),
-        }
-        batched: tuple[str, ...] = ("video_grid_thw", "patches_per_video")
-        if self.model_type == "qwen2_5_vl":
-            # Qwen2_5_VLProcessor._process_videos: temporal_patch_size / sampled_fps (a float32 tensor there)
-            tensors["second_per_grid_ts"] = np.array([self.p.temporal_patch_size / pl.sampled_fps for pl in plans],
-                                                     dtype=np.float32)
-            batched += ("second_per_grid_ts",)
-        return EncoderBatch(modality=Modality.VIDEO, tensors=tensors, batched_keys=batched,
-                            flat_keys={"pixel_values": "patches_per_video"}, keep_on_cpu_keys=("video_grid_thw",),
-                            placeholder_token_id=self.video_token_id)
+    def plan_tensors(self, plan: VideoPlan) -> dict[str, np.ndarray]:
+        """``video_grid_thw`` ``[3]`` and ``patches_per_video`` int64 of one clip, and for Qwen2.5-VL
+        ``second_per_grid_ts`` (``Qwen2_5_VLProcessor._process_videos``: temporal_patch_size /
+        sampled_fps, float32 there)."""
+        out = {"video_grid_thw": np.array(plan.item.detail, dtype=np.int64),
+               "patches_per_video": np.array(plan.item.primary_shape[0], dtype=np.int64)}
+        if len(self.specs) > 3:
+            out["second_per_grid_ts"] = np.array(self.p.temporal_patch_size / plan.sampled_fps, dtype=np.float32)
+        return out
 
     def _timestamp(self, seconds: float) -> tuple[int, ...]:
         text = f"<{seconds:.1f} seconds>"
@@ -187,7 +204,7 @@ class QwenVLVideo:
 
     def expand(self, plan: VideoPlan) -> Replacement:
         """What replaces one ``<|video_pad|>``; the embedding range is the whole replacement."""
-        grid_t, gh, gw = plan.item.grid_thw
+        grid_t, gh, gw = plan.item.detail
         if self.p.processor != QWEN3_VIDEO:
             ids: tuple[int, ...] = (self.video_token_id,) * plan.item.num_tokens
         else:

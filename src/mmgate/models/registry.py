@@ -16,86 +16,22 @@ message naming its ``model_type`` and the registered families
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Protocol
-
-import numpy as np
+import importlib
 
 from mmgate.chat.tokenizer import BundleTokenizer
 from mmgate.models.bundle import ModelBundle
-from mmgate.models.image_rows import RowSink
-from mmgate.models.qwen_vl import QwenVLFamily
+from mmgate.models.family import Family, FamilyClass
 from mmgate.settings import ImageBackend
-from mmgate.types import (
-    DecodedImage,
-    DecodedVideo,
-    EncoderBatch,
-    ItemHints,
-    ItemPlan,
-    Modality,
-    PendingTensor,
-    Replacement,
-    VideoMeta,
-    VideoPlan,
-)
 
+__all__ = ["FAMILY_BY_MODEL_TYPE", "FAMILY_MODULES", "Family", "FamilyClass", "check_servable", "load_family",
+           "media_markers", "registered_families", "supports_vision"]
 
-class Family(Protocol):
-    """What a model family provides (see ARCHITECTURE.md, "The family interface")."""
+#: the family modules of ``mmgate.models``, each exporting ``FAMILY`` (its family class); adding a
+#: family = one module + its name here + its golden file + its row in the contract test
+FAMILY_MODULES: tuple[str, ...] = ("qwen_vl", "gemma3", "llava", "llava_next")
 
-    model_types: tuple[str, ...]
-    limits: Mapping[Modality, int]
-
-    @property
-    def fingerprint(self) -> str: ...
-
-    @property
-    def reserved_tokens(self) -> tuple[str, ...]: ...
-
-    def anchor_token_id(self, modality: Modality) -> int: ...
-
-    def check_hints(self, modality: Modality, hints: ItemHints, param: str) -> None: ...
-
-    def plan(self, modality: Modality, height: int, width: int, hints: ItemHints | None = None) -> ItemPlan: ...
-
-    def preprocess_one(self, image: DecodedImage, plan: ItemPlan, raw: bool = False) -> np.ndarray: ...
-
-    def resized(self, image: DecodedImage, plan: ItemPlan) -> DecodedImage: ...
-
-    def write_one(self, image: DecodedImage, plan: ItemPlan, raw: bool, sink: RowSink,
-                  band: tuple[int, int] = (0, 1)) -> int: ...
-
-    @property
-    def row_width(self) -> int: ...
-
-    def assemble(self, rows: Sequence[np.ndarray], plans: Sequence[ItemPlan],
-                 pixel_values: PendingTensor | None = None) -> EncoderBatch: ...
-
-    def expand(self, plan: ItemPlan) -> Replacement: ...
-
-    # Video (families whose ``limits`` hold Modality.VIDEO): sample before decoding, plan after.
-    @property
-    def video_fingerprint(self) -> str: ...
-
-    def sample_video(self, meta: VideoMeta, hints: ItemHints) -> list[int]: ...
-
-    def plan_video(self, video: DecodedVideo, hints: ItemHints) -> VideoPlan: ...
-
-    def preprocess_video(self, video: DecodedVideo, plan: VideoPlan, raw: bool = False) -> np.ndarray: ...
-
-    def assemble_video(self, rows: Sequence[np.ndarray], plans: Sequence[VideoPlan]) -> EncoderBatch: ...
-
-    def expand_video(self, plan: VideoPlan) -> Replacement: ...
-
-
-class FamilyClass(Protocol):
-    model_types: tuple[str, ...]
-
-    def from_bundle(self, bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageBackend,
-                    video_backend: ImageBackend | None = None) -> Family: ...
-
-
-_FAMILIES: tuple[type, ...] = (QwenVLFamily,)
+_FAMILIES: tuple[type, ...] = tuple(importlib.import_module(f"mmgate.models.{name}").FAMILY
+                                    for name in FAMILY_MODULES)
 
 
 def _build_table() -> dict[str, type]:
@@ -185,8 +121,8 @@ def check_servable(bundle: ModelBundle) -> None:
 
 def load_family(bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageBackend,
                 video_backend: ImageBackend | None = None) -> Family | None:
-    """The family serving ``bundle``, or None for a text-only model (``video_backend``: see
-    ``QwenVLFamily.from_bundle``).
+    """The family serving ``bundle``, or None for a text-only model (``video_backend``: the video
+    path's backend, ``geometry.video_backend_for``).
 
     Raises:
         GatewayError(MODEL_NOT_FOUND): a media model whose ``model_type`` no family serves

@@ -6,11 +6,16 @@ Stage: engine start-up.  In: an :class:`EngineConfig` naming a bundle folder
 and frozen :class:`ModelFacts`).
 
 The model class is the one ``config.architectures`` names (e.g.
-``Qwen2_5_VLForConditionalGeneration``), else ``AutoModelForImageTextToText``
-for a config with ``vision_config`` and ``AutoModelForCausalLM`` otherwise.  A
-bundle with weights is loaded with ``from_pretrained``; a bundle without is
-built from ``torch.manual_seed(seed)`` at the size :mod:`.shrink` gives, which
-keeps every token id and the vision patch geometry.
+``Qwen2_5_VLForConditionalGeneration``, ``LlavaForConditionalGeneration``,
+``LlavaNextForConditionalGeneration``, ``Gemma3ForConditionalGeneration``: the
+same classes ``AutoModelForImageTextToText`` maps their configs to), else
+``AutoModelForImageTextToText`` for a config with ``vision_config`` and
+``AutoModelForCausalLM`` otherwise.  A bundle with weights is loaded with
+``from_pretrained``; a bundle without is built from ``torch.manual_seed(seed)``
+at the size :mod:`.shrink` gives from the family's row of
+:mod:`.families` (which keeps every token id and the vision geometry), then
+the row's ``redraw`` parameters are drawn from a generator seeded the same way,
+so the same seed always builds the same weights.
 
 The model's own ``generation_config`` is replaced by a neutral one: like the
 vLLM gRPC servicer (``_sampling_params_from_proto``), every sampling field is
@@ -32,7 +37,8 @@ import transformers
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig, PreTrainedModel
 
 from mmgate.refengine.config import EngineConfig
-from mmgate.refengine.shrink import shrink_config
+from mmgate.refengine.families import ENGINE_FAMILIES, EngineFamily, engine_family
+from mmgate.refengine.shrink import redraw_parameters, shrink_config
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +72,7 @@ class LoadedModel:
     model: PreTrainedModel
     facts: ModelFacts
     forward_params: frozenset[str]  # keyword names model.forward accepts
+    family: EngineFamily  # the engine's row for facts.model_type (GENERIC when the table has none)
 
 
 def token_ids(value: Any) -> list[int]:
@@ -103,7 +110,7 @@ def model_class(config: PretrainedConfig) -> type[PreTrainedModel]:
         else transformers.AutoModelForCausalLM
     )
     mapping = auto._model_mapping  # type: ignore[attr-defined]
-    entry = mapping[type(config)] if type(config) in mapping else None
+    entry = mapping.get(type(config), None)  # _LazyAutoMapping.get needs its default
     found = entry[0] if isinstance(entry, tuple) else entry
     if isinstance(found, type) and issubclass(found, PreTrainedModel):
         return found
@@ -137,7 +144,10 @@ def read_facts(path: Path, config: PretrainedConfig, served_model_name: str, ran
     """Collect :class:`ModelFacts` from the bundle's own files (the unshrunken config)."""
     text = config.get_text_config()
     gen = _generation_config(path)
-    eos = token_ids(getattr(text, "eos_token_id", None)) or token_ids(getattr(config, "eos_token_id", None))
+    # vLLM advertises hf_config.eos_token_id (smg_grpc_servicer/vllm/config_view.py hf_eos_token_ids): the top
+    # level first (Gemma 3: [1, 106]; its text config says 1), else the text config's (transformers 5 keeps
+    # Qwen-VL's and LLaVA's there only)
+    eos = token_ids(getattr(config, "eos_token_id", None)) or token_ids(getattr(text, "eos_token_id", None))
     stop = list(eos)
     for extra in token_ids(gen.eos_token_id if gen else None):
         if extra not in stop:
@@ -168,9 +178,13 @@ def read_facts(path: Path, config: PretrainedConfig, served_model_name: str, ran
 def check_engine_bundle(path: Path) -> None:
     """Refuse at start-up a bundle whose media mmgate cannot serve (before any model is built).
 
-    A media model of an unregistered ``model_type`` (Qwen2.5-Omni's ``thinker_config``
-    towers, LLaVA, Gemma 3, ...) would load here and then take no request the gateway can
-    prepare; a text-only bundle passes.
+    A media model of a ``model_type`` neither the gateway's registry nor the engine's
+    family table (:data:`~mmgate.refengine.families.ENGINE_FAMILIES`) names
+    (Qwen2.5-Omni's ``thinker_config`` towers, GLM-4V, ...) would load here and then take
+    no request anyone can prepare; a text-only bundle passes.  A ``model_type`` of the
+    engine's table passes even before a gateway family serves it: its requests can come
+    from any client that lays tensors out as vLLM does (the engine's own tests use the
+    transformers processor).
 
     Raises:
         OSError: no ``config.json`` in ``path``.
@@ -181,7 +195,10 @@ def check_engine_bundle(path: Path) -> None:
     from mmgate.models.registry import check_servable
 
     try:
-        check_servable(load_bundle(path))
+        bundle = load_bundle(path)
+        if bundle.model_type in ENGINE_FAMILIES:
+            return
+        check_servable(bundle)
     except GatewayError as exc:
         if not (Path(path) / "config.json").is_file():
             raise OSError(exc.message) from None
@@ -197,24 +214,28 @@ def load_model(config: EngineConfig) -> LoadedModel:
     Raises:
         OSError: the folder has no readable ``config.json``.
         ValueError: no transformers class serves the config's architecture; or the bundle takes
-            media that no mmgate family serves (:func:`mmgate.models.registry.check_servable`,
-            checked first: the message names the ``model_type`` and the registered families).
+            media that no mmgate family serves (:func:`check_engine_bundle`, checked first: the
+            message names the ``model_type`` and the registered families); or it has no weights
+            and the engine has no shrink rules for it (:func:`mmgate.refengine.shrink.shrink_spec`).
     """
     path = config.model
     check_engine_bundle(path)
     hf_config = AutoConfig.from_pretrained(path)
     cls = model_class(hf_config)
+    family = engine_family(str(hf_config.model_type))
     random_weights = not has_weights(path)
     if random_weights:
+        shrunk = shrink_config(hf_config)
         torch.manual_seed(config.seed)
-        model = cls(shrink_config(hf_config))
+        model = cls(shrunk)
+        redraw_parameters(model, family.shrink.redraw, config.seed)
     else:
         model = cls.from_pretrained(path, dtype=torch.float32)
     model = model.float().eval()
     model.generation_config = GenerationConfig()
     facts = read_facts(path, hf_config, config.model_name, random_weights)
     params = frozenset(inspect.signature(model.forward).parameters)
-    return LoadedModel(model=model, facts=facts, forward_params=params)
+    return LoadedModel(model=model, facts=facts, forward_params=params, family=family)
 
 
 class LazyTokenizer:

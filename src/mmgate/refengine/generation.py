@@ -11,7 +11,11 @@ not match, tokens: N, features: M")``) and the model computes its own M-RoPE
 positions and ``rope_deltas``.  Each later step feeds the chosen token with
 the KV cache and no mask; the model then places it at
 ``cache_length + rope_deltas`` (transformers 5.24
-``Qwen2VLModel.compute_3d_position_ids``).  ``model.generate`` is not used
+``Qwen2VLModel.compute_3d_position_ids``); a model without M-RoPE (LLaVA,
+LLaVA-NeXT, Gemma 3) counts plain 1-D positions from the cache length and keeps
+no ``rope_deltas``.  Gemma 3's ``token_type_ids`` ride only on the prefill, as
+``Gemma3ForConditionalGeneration.prepare_inputs_for_generation`` passes them
+(the bidirectional image-token mask matters only there).  ``model.generate`` is not used
 because it computes M-RoPE positions before the first forward, where a
 placeholder mismatch surfaces as an opaque indexing error instead of the
 model's own message.  Greedy output equals ``model.generate(do_sample=False)``

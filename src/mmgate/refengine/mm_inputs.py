@@ -10,14 +10,27 @@ Mirrors ``smg_grpc_servicer/vllm/servicer.py`` ``_build_preprocessed_mm_inputs``
 and ``mm_keys.py`` (smg-grpc-servicer 0.14.1): the primary tensor travels in
 ``pixel_values`` under the key ``encoder_input_key`` (default
 ``pixel_values``), renamed ``pixel_values_videos`` for a VIDEO batch;
-``model_specific_tensors`` keep their names (``image_grid_thw``,
-``video_grid_thw``, ``second_per_grid_ts``, ...); floating tensors are cast to
-the model dtype (float32).  Two batches carrying the same key are refused.
+``model_specific_tensors`` keep their names; floating tensors are cast to the
+model dtype (float32).  Two batches carrying the same key are refused.
 
-Only keywords the model's ``forward`` names are passed on; bookkeeping tensors
-such as ``patches_per_image`` (the ``flat_keys`` sizes) are checked for
-consistency and then dropped.  A primary tensor the model cannot take is
-refused, never dropped.  No placeholder count is checked here: the model's own
+Nothing here is per family except the token-type tensor: every tensor is
+passed under its wire name when the model's ``forward`` names it, and the
+transformers model takes the vLLM layouts as they arrive:
+  * Qwen-VL: ``pixel_values`` flat ``[sum(patches), C*T*P*P]`` + ``image_grid_thw``;
+  * LLaVA-1.5: ``pixel_values`` batched ``[N, 3, 336, 336]``;
+  * LLaVA-NeXT: ``pixel_values`` batched ``[N, tiles, 3, 336, 336]`` (zero-padded to
+    the most tiles) + ``image_sizes`` ``[N, 2]``;
+  * Gemma 3: ``pixel_values`` flat ``[sum(1 + crops), 3, 896, 896]`` (pan-and-scan
+    crops are more images to its tower).
+Bookkeeping tensors the forward does not take (Qwen's ``patches_per_image``,
+Gemma 3's ``num_patches``: the ``flat_keys`` sizes) are checked for consistency
+and then dropped.  A primary tensor the model cannot take is refused, never
+dropped.  The token-type tensor the family's row names
+(:class:`~mmgate.refengine.families.TokenTypes`: Qwen-VL ``mm_token_type_ids``,
+Gemma 3 ``token_type_ids``) is built from the prompt's placeholder ids, as the
+model's processor builds it.  Positions are the model's own: M-RoPE models
+compute them (and ``rope_deltas``) from ``input_ids`` and the grids, the
+others count 0..seq-1.  No placeholder count is checked here: the model's own
 code (``get_placeholder_mask``) is the authority on token/feature agreement.
 """
 
@@ -31,14 +44,11 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.refengine.bundle import LazyTokenizer, LoadedModel
 from mmgate.refengine.device_normalize import DeviceNormalizer
+from mmgate.refengine.families import MM_TOKEN_TYPES, TokenTypes
 from mmgate.refengine.tensors import decode_tensor, require_shape
 
 DEFAULT_ENCODER_INPUT_KEY = "pixel_values"
 VIDEO_ENCODER_INPUT_KEY = "pixel_values_videos"
-
-#: transformers ``ProcessorMixin.create_mm_token_type_ids`` values
-MM_TOKEN_TYPE_IMAGE = 1
-MM_TOKEN_TYPE_VIDEO = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +129,10 @@ def batch_tensors(mm: vllm_engine_pb2.MultimodalInputs,
             if normalizer is None:
                 raise GatewayError(ErrorCode.INVALID_REQUEST,
                                    "raw uint8 pixels sent to an engine that does not normalize on device")
-            batch[primary] = normalizer.normalize(batch[primary])
+            try:
+                batch[primary] = normalizer.normalize(batch[primary])
+            except ValueError as exc:
+                raise GatewayError(ErrorCode.INVALID_REQUEST, str(exc)) from None
     for key, td in mm.model_specific_tensors.items():
         batch[modality_key(key, is_video)] = decode_tensor(td)
     for key, tensor in batch.items():
@@ -152,18 +165,21 @@ def prompt_ids(request: vllm_engine_pb2.GenerateRequest, tokenizer: LazyTokenize
     return ids
 
 
-def mm_token_type_ids(input_ids: torch.Tensor, image_token_id: int | None, video_token_id: int | None) -> torch.Tensor:
-    """Per-token modality: 0 text, 1 image, 2 video; ``[1, seq]`` int64.
+def mm_token_type_ids(input_ids: torch.Tensor, image_token_id: int | None, video_token_id: int | None,
+                      types: TokenTypes = MM_TOKEN_TYPES) -> torch.Tensor:
+    """Per-token modality: 0 text, ``types.image`` on image placeholders, ``types.video`` on video ones;
+    ``[1, seq]`` int64.
 
-    Mirrors transformers ``processing_utils.ProcessorMixin.create_mm_token_type_ids``
-    (5.24), which the processor returns next to ``input_ids`` and M-RoPE reads.
+    Default values mirror transformers ``processing_utils.ProcessorMixin.create_mm_token_type_ids``
+    (5.24: 1 image, 2 video), which Qwen-VL processors return next to ``input_ids`` and M-RoPE
+    reads; ``Gemma3Processor.__call__`` (5.24) sets ``token_type_ids`` 1 on ``image_token_id``.
     """
-    types = torch.zeros_like(input_ids)
-    if image_token_id is not None:
-        types[input_ids == image_token_id] = MM_TOKEN_TYPE_IMAGE
-    if video_token_id is not None:
-        types[input_ids == video_token_id] = MM_TOKEN_TYPE_VIDEO
-    return types
+    out = torch.zeros_like(input_ids)
+    if image_token_id is not None and types.image is not None:
+        out[input_ids == image_token_id] = types.image
+    if video_token_id is not None and types.video is not None:
+        out[input_ids == video_token_id] = types.video
+    return out
 
 
 def build_model_inputs(
@@ -202,8 +218,9 @@ def build_model_inputs(
         tensors.update(batch)
     mm_kwargs = {k: v for k, v in tensors.items() if k in loaded.forward_params}
     dropped = tuple(sorted(k for k in tensors if k not in loaded.forward_params))
-    if "mm_token_type_ids" in loaded.forward_params and facts.supports_vision:
-        mm_kwargs["mm_token_type_ids"] = mm_token_type_ids(input_ids, facts.image_token_id, facts.video_token_id)
+    types = loaded.family.token_types
+    if types is not None and types.kwarg in loaded.forward_params and facts.supports_vision:
+        mm_kwargs[types.kwarg] = mm_token_type_ids(input_ids, facts.image_token_id, facts.video_token_id, types)
     return ModelInputs(
         input_ids=input_ids,
         attention_mask=torch.ones_like(input_ids),

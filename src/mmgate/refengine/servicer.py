@@ -54,14 +54,14 @@ from mmgate.engines.vllm import carried_error_details
 from mmgate.errors import ERROR_TABLE, ErrorCode, GatewayError
 from mmgate.refengine.bundle import LazyTokenizer, LoadedModel
 from mmgate.refengine.config import EngineConfig
-from mmgate.refengine.generation import FinishReason, GenerationResult, run_generation
-from mmgate.refengine.sampler import TokenLogprobs
 from mmgate.refengine.device_normalize import DeviceNormalizer
+from mmgate.refengine.generation import FinishReason, GenerationResult, run_generation
 from mmgate.refengine.mm_inputs import ModelInputs, build_model_inputs
 from mmgate.refengine.mm_processor import WorkerMedia, media_rpc_status
 from mmgate.refengine.recording import RequestRecorder
-from mmgate.transport.shm import shm_namespace_id
+from mmgate.refengine.sampler import TokenLogprobs
 from mmgate.refengine.sampling import GenerationPlan, plan_generation
+from mmgate.transport.shm import shm_namespace_id
 
 logger = logging.getLogger(__name__)
 
@@ -125,13 +125,28 @@ def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
+def device_normalizer(config: EngineConfig, loaded: LoadedModel) -> DeviceNormalizer | None:
+    """The engine's uint8 normalizer: only with ``--mm-device-do-normalize`` and a family whose raw
+    layout the engine knows (``EngineFamily.raw_layout``); GetServerInfo advertises
+    ``mm_device_do_normalize`` exactly when there is one.
+    """
+    if not config.device_normalize:
+        return None
+    layout = loaded.family.raw_layout
+    if layout is None or not loaded.facts.supports_vision:
+        logger.warning("--mm-device-do-normalize ignored: the engine knows no raw pixel layout for %s",
+                       loaded.facts.model_type)
+        return None
+    return DeviceNormalizer.from_bundle(config.model, layout)
+
+
 class RefEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     """Serves one loaded model; see the module docstring for threading and errors."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
         self._config = config
         self._loaded = loaded
-        self._normalizer = DeviceNormalizer.from_bundle(config.model) if config.device_normalize else None
+        self._normalizer = device_normalizer(config, loaded)
         self._tokenizer = LazyTokenizer(config.model)
         self._media = WorkerMedia(config.mm, config.model)
         self._recorder = RequestRecorder(config.record_dir) if config.record_dir is not None else None
@@ -350,7 +365,7 @@ class RefEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             server_type=SERVER_TYPE,
             data_parallel_size=1,
             shm_namespace_id=shm_namespace_id(),
-            mm_device_do_normalize=self._config.device_normalize,
+            mm_device_do_normalize=self._normalizer is not None,
             model_dtype="torch.float32",
             mm_processor=mm_processor,
             mm_processor_source=mm_source,

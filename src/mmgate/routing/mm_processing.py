@@ -37,7 +37,7 @@ from mmgate import metrics
 from mmgate.api.protocol import ChatCompletionRequest, ImagePart, TextPart, VideoPart
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.fetch import url_scheme
-from mmgate.models.registry import Family
+from mmgate.models.family import Family, processor
 from mmgate.pipeline import ModelRuntime
 from mmgate.routing.workers import Worker, WorkerRegistry
 from mmgate.settings import FetchSettings, MmProcessing, Settings
@@ -183,7 +183,7 @@ def check_anchor_counts(ids: Sequence[int], refs: Sequence[MediaRef], family: Fa
     for modality in (Modality.IMAGE, Modality.VIDEO):
         if modality not in family.limits:
             continue
-        anchor = family.anchor_token_id(modality)
+        anchor = processor(family, modality).anchor_token_id
         items = sum(1 for r in refs if r.modality is modality)
         found = sum(1 for t in ids if t == anchor)
         if found != items:

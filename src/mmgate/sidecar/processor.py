@@ -71,9 +71,7 @@ def processing_fingerprint(runtime: ModelRuntime, config: ProcessingConfig) -> t
     successful one produces.
     """
     bundle, family = runtime.bundle, runtime.family
-    # A family without video support raises on ``video_fingerprint`` (GatewayError, not
-    # AttributeError): ask only a family whose limits hold video.
-    video = family.video_fingerprint if family is not None and Modality.VIDEO in family.limits else ""
+    video = family.video.fingerprint if family is not None and family.video is not None else ""
     files = {"config": bundle.config, "preprocessor_config": bundle.preprocessor_config,
              "video_preprocessor_config": bundle.video_preprocessor_config,
              "processor_config": bundle.processor_config}

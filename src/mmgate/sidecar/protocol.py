@@ -30,7 +30,13 @@ import msgspec
 import numpy as np
 
 from mmgate.transport.inline import from_parts, wire_dtype_name
-from mmgate.types import EncoderBatch, Modality, PlaceholderRange
+from mmgate.types import (
+    EncoderBatch,
+    Modality,
+    PlaceholderRange,
+    TensorLayout,
+    TensorSpec,
+)
 
 SCHEMA_VERSION = 1
 KEY_ROOT = "smg:mm:v1"
@@ -113,6 +119,7 @@ class WireBatch(msgspec.Struct, frozen=True):
     placeholder_token_id: int
     placeholders: list[tuple[int, int]]  # (offset, length) in the expanded prompt
     mm_hashes: list[str]
+    primary_key: str = "pixel_values"  # the encoder input among ``tensors``
 
 
 class JobResult(msgspec.Struct, frozen=True):
@@ -144,6 +151,7 @@ def batch_to_wire(batch: EncoderBatch) -> WireBatch:
         flat_keys=dict(batch.flat_keys), keep_on_cpu_keys=list(batch.keep_on_cpu_keys),
         placeholder_token_id=batch.placeholder_token_id,
         placeholders=[(r.offset, r.length) for r in batch.placeholders], mm_hashes=list(batch.mm_hashes),
+        primary_key=batch.primary_key,
     )
 
 
@@ -154,11 +162,17 @@ def batch_from_wire(wire: WireBatch) -> EncoderBatch:
         GatewayError(INVALID_REQUEST): a tensor whose bytes do not match its shape and dtype.
         ValueError: an unknown modality.
     """
+    tensors = {t.name: from_parts(t.data, tuple(t.shape), t.dtype) for t in wire.tensors}
+    specs = tuple(
+        TensorSpec(name, str(array.dtype),
+                   TensorLayout.BATCHED if name in wire.batched_keys else
+                   TensorLayout.FLAT if name in wire.flat_keys else TensorLayout.SHARED,
+                   sizes_key=wire.flat_keys.get(name), keep_on_cpu=name in wire.keep_on_cpu_keys,
+                   primary=name == wire.primary_key)
+        for name, array in tensors.items())
     return EncoderBatch(
-        modality=Modality(wire.modality),
-        tensors={t.name: from_parts(t.data, tuple(t.shape), t.dtype) for t in wire.tensors},
-        batched_keys=tuple(wire.batched_keys), flat_keys=dict(wire.flat_keys),
-        keep_on_cpu_keys=tuple(wire.keep_on_cpu_keys), placeholder_token_id=wire.placeholder_token_id,
+        modality=Modality(wire.modality), tensors=tensors, specs=specs,
+        placeholder_token_id=wire.placeholder_token_id,
         placeholders=tuple(PlaceholderRange(offset=o, length=n) for o, n in wire.placeholders),
         mm_hashes=tuple(wire.mm_hashes),
     )

@@ -1,0 +1,302 @@
+"""The family seam: what a model family provides, and the generic assembly of its tensors.
+
+A family (one module per model line in ``mmgate/models/``) is a small object per modality, a
+*media processor*:
+
+* **plan** an item from its size (images) or its header and decoded frames (videos) alone:
+  an :class:`~mmgate.types.ItemPlan` with the token count and the shape of the item's share
+  of every tensor (:class:`~mmgate.types.TensorSpec` says each tensor's dtype, layout and
+  placement);
+* **write** the item's tensors: :meth:`ImageProcessor.plan_tensors` (the ones known from the
+  plan: grids, sizes, crop counts) and :meth:`ImageProcessor.preprocess` (the primary encoder
+  input from the pixels); a processor whose primary tensor is a flat 2-D row tensor may also
+  offer :class:`RowWriter` (computed block by block straight into a transport buffer);
+* **expand** the item's anchor into a prompt update (:class:`~mmgate.types.Replacement`):
+  token-level ids, or text-level text that the pipeline tokenizes with its neighbours.
+
+Generic code (the pipeline, the transport, the engine adapters, the reference engine) reads
+only these objects and the specs: it knows no family's tensor names or formulas.
+:func:`assemble` stacks per-item shares into an :class:`~mmgate.types.EncoderBatch` by layout
+(``batched``: stacked, zero-padded to the largest share when shapes differ, as transformers'
+``_pad_for_batching``; ``flat``: concatenated; ``shared``: the first).
+
+How to add a family: docs/families.md (worked example: LLaVA-1.5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from mmgate.chat.tokenizer import BundleTokenizer
+from mmgate.errors import ErrorCode, GatewayError
+from mmgate.models.bundle import ModelBundle
+
+#: ``sink(first_row, rows)``: receives each finished block ``[b, width]`` (a reused buffer: copy it)
+from mmgate.models.image_rows import RowSink  # noqa: E402  (re-exported for families)
+from mmgate.settings import ImageBackend
+from mmgate.types import (
+    DecodedImage,
+    DecodedVideo,
+    EncoderBatch,
+    ItemHints,
+    ItemPlan,
+    Modality,
+    PendingTensor,
+    Replacement,
+    TensorLayout,
+    TensorSpec,
+    VideoMeta,
+    VideoPlan,
+)
+
+__all__ = ["Family", "FamilyClass", "ImageProcessor", "MediaProcessor", "RowSink", "RowWriter", "VideoProcessor",
+           "assemble", "combine", "deferrable", "primary_spec"]
+
+
+class _Processor(Protocol):
+    """What every modality's processor has."""
+
+    #: the modality it handles
+    modality: Modality
+    #: the tensors it produces, the primary (encoder input) first
+    specs: tuple[TensorSpec, ...]
+
+    @property
+    def anchor_token_id(self) -> int:
+        """The token the chat template leaves once per item (``<|image_pad|>``, ``<image>``,
+        ``<start_of_image>``)."""
+        ...
+
+    @property
+    def placeholder_token_id(self) -> int:
+        """The token that receives the encoder output (vLLM ``im_token_id``); may differ from the anchor."""
+        ...
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the model and every preprocessing setting of this modality (cache and hash key)."""
+        ...
+
+    def check_hints(self, hints: ItemHints, param: str) -> None:
+        """Refuse hints or ``mm_processor_kwargs`` this modality does not take, before any fetch.
+
+        Raises:
+            GatewayError(INVALID_REQUEST): naming ``param``.
+        """
+        ...
+
+
+@runtime_checkable
+class ImageProcessor(_Processor, Protocol):
+    """The image side of a family."""
+
+    def plan_tensors(self, plan: ItemPlan) -> dict[str, np.ndarray]:
+        """The item's share of every tensor but the primary, from its plan alone (shapes as
+        ``plan.shapes``); also what the decode leg of a prefill/decode pair receives."""
+        ...
+
+    def plan(self, height: int, width: int, hints: ItemHints | None = None) -> ItemPlan:
+        """Plan one image from its decoded size (pixels) and hints.
+
+        Raises:
+            GatewayError(INVALID_REQUEST): a size the reference processor refuses.
+        """
+        ...
+
+    def preprocess(self, image: DecodedImage, plan: ItemPlan, raw: bool = False) -> np.ndarray:
+        """The item's share of the primary tensor, shape ``plan.primary_shape``: float32 normalized
+        values as the reference processor's, or with ``raw`` the resized uint8 pixels in the same
+        layout (a worker that normalizes on device; only families whose specs allow it)."""
+        ...
+
+    def expand(self, plan: ItemPlan) -> Replacement:
+        """The prompt update replacing this item's anchor."""
+        ...
+
+
+@runtime_checkable
+class RowWriter(Protocol):
+    """Optional for an :class:`ImageProcessor` whose primary tensor is flat ``[rows, width]``:
+    compute an item's rows block by block into a sink (a shared-memory segment, the tail of the
+    serialized request), in horizontal bands on several threads."""
+
+    def resized(self, image: DecodedImage, plan: ItemPlan) -> DecodedImage:
+        """``image`` resized as the plan says (itself when unchanged)."""
+        ...
+
+    def write_rows(self, image: DecodedImage, plan: ItemPlan, raw: bool, sink: RowSink,
+                   band: tuple[int, int] = (0, 1)) -> int:
+        """:meth:`ImageProcessor.preprocess`'s rows handed to ``sink(first_row, rows)``; ``band``
+        ``(k, parts)``: only the k-th of ``parts`` horizontal bands.  Returns the rows written."""
+        ...
+
+
+@runtime_checkable
+class VideoProcessor(_Processor, Protocol):
+    """The video side of a family: frames chosen from the header, planned after decoding."""
+
+    def plan_tensors(self, plan: VideoPlan) -> dict[str, np.ndarray]:
+        """The clip's share of every tensor but the primary (shapes as ``plan.item.shapes``)."""
+        ...
+
+    def sample(self, meta: VideoMeta, hints: ItemHints) -> list[int]:
+        """Stream frame indices to decode, from the container header alone."""
+        ...
+
+    def plan(self, video: DecodedVideo, hints: ItemHints) -> VideoPlan:
+        """Plan one decoded clip."""
+        ...
+
+    def preprocess(self, video: DecodedVideo, plan: VideoPlan, raw: bool = False) -> np.ndarray:
+        """The clip's share of the primary tensor (``plan.item.primary_shape``)."""
+        ...
+
+    def expand(self, plan: VideoPlan) -> Replacement:
+        """The prompt update replacing this clip's anchor."""
+        ...
+
+
+MediaProcessor = ImageProcessor | VideoProcessor
+
+
+class Family(Protocol):
+    """What a model family provides: one processor per modality it takes."""
+
+    model_types: tuple[str, ...]
+    #: items per request, per modality it takes
+    limits: Mapping[Modality, int]
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the model and every preprocessing setting (cache and hash key)."""
+        ...
+
+    @property
+    def reserved_tokens(self) -> tuple[str, ...]:
+        """Token strings this family uses as anchors, placeholders or media-structure markers; caller
+        text may never contain them (:mod:`mmgate.chat.integrity`)."""
+        ...
+
+    @property
+    def image(self) -> ImageProcessor | None:
+        """The image processor (None: the family takes no images here)."""
+        ...
+
+    @property
+    def video(self) -> VideoProcessor | None:
+        """The video processor (None: no video here, e.g. PyAV missing)."""
+        ...
+
+
+class FamilyClass(Protocol):
+    """A family class: the ``model_type`` values it claims and how it reads a bundle."""
+
+    model_types: tuple[str, ...]
+
+    def from_bundle(self, bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageBackend,
+                    video_backend: ImageBackend | None = None) -> Family: ...
+
+
+def processor(family: Family, modality: Modality) -> ImageProcessor | VideoProcessor:
+    """``family``'s processor for ``modality``.
+
+    Raises:
+        GatewayError(MULTIMODAL_NOT_SUPPORTED): the family does not take ``modality`` here.
+    """
+    found: ImageProcessor | VideoProcessor | None = (
+        family.image if modality is Modality.IMAGE else family.video if modality is Modality.VIDEO else None)
+    if found is None:
+        raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED,
+                           f"{family.model_types[0]} does not take {modality.value} input here")
+    return found
+
+
+def primary_spec(specs: Sequence[TensorSpec]) -> TensorSpec:
+    """The encoder input of ``specs`` (exactly one is primary)."""
+    found = [s for s in specs if s.primary]
+    if len(found) != 1:
+        raise ValueError(f"a modality needs exactly one primary tensor, found {len(found)}")
+    return found[0]
+
+
+def combine(spec: TensorSpec, parts: Sequence[np.ndarray]) -> np.ndarray:
+    """Items' shares of one tensor -> the batch tensor, by ``spec.layout``.
+
+    ``batched``: ``[N, *share]`` (shares of different shapes zero-padded to the largest in each
+    dimension, as transformers ``LlavaNextImageProcessor._pad_for_batching``); ``flat``: shares
+    concatenated along the first dimension; ``shared``: the first share.
+    """
+    dtype = np.dtype(spec.dtype) if not parts else parts[0].dtype
+    if spec.layout is TensorLayout.SHARED:
+        return parts[0] if parts else np.empty(0, dtype=dtype)
+    if spec.layout is TensorLayout.FLAT:
+        if not parts:
+            return np.empty(0, dtype=dtype)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+    if not parts:
+        return np.empty((0,), dtype=dtype)
+    shapes = {p.shape for p in parts}
+    if len(shapes) == 1:
+        return np.stack(parts)
+    rank = {len(s) for s in shapes}
+    if len(rank) != 1:
+        raise ValueError(f"{spec.name}: item shares of different ranks cannot be batched")
+    biggest = tuple(max(dims) for dims in zip(*shapes))
+    out = np.zeros((len(parts), *biggest), dtype=dtype)
+    for i, p in enumerate(parts):
+        out[i][tuple(slice(0, d) for d in p.shape)] = p
+    return out
+
+
+def deferrable(spec: TensorSpec, plans: Sequence[ItemPlan]) -> bool:
+    """Whether the primary tensor can be a :class:`PendingTensor` written row by row: flat, or
+    batched with every item's share the same shape (no padding to place)."""
+    if spec.layout is TensorLayout.FLAT:
+        return True
+    return spec.layout is TensorLayout.BATCHED and len({pl.primary_shape for pl in plans}) <= 1
+
+
+def primary_layout(spec: TensorSpec, plans: Sequence[ItemPlan]) -> tuple[tuple[int, ...], list[int]]:
+    """Shape of the whole primary tensor and each item's first row in its ``[rows, width]`` view
+    (:func:`deferrable` layouts only): flat ``[sum(rows), *share[1:]]``; batched ``[N, *share]``,
+    one row per item."""
+    if spec.layout is TensorLayout.FLAT:
+        firsts = [0]
+        for pl in plans:
+            firsts.append(firsts[-1] + pl.primary_shape[0])
+        tail = plans[0].primary_shape[1:] if plans else ()
+        return (firsts[-1], *tail), firsts[:-1]
+    share = plans[0].primary_shape if plans else ()
+    return (len(plans), *share), list(range(len(plans)))
+
+
+def item_rows(spec: TensorSpec, plan: ItemPlan) -> int:
+    """Rows of one item in the primary tensor's ``[rows, width]`` view (flat: its first dimension;
+    batched: one)."""
+    return plan.primary_shape[0] if spec.layout is TensorLayout.FLAT else 1
+
+
+def assemble(proc: ImageProcessor | VideoProcessor, plans: Sequence[ItemPlan] | Sequence[VideoPlan],
+             primaries: Sequence[np.ndarray] | np.ndarray | PendingTensor | None) -> EncoderBatch:
+    """The batch of one modality, in prompt order (no placeholders or hashes yet).
+
+    ``primaries``: each item's share of the primary tensor (:meth:`ImageProcessor.preprocess`),
+    the whole primary tensor already laid out (an array), a :class:`PendingTensor` for all of them (values still to be computed), or None (a decode
+    leg that carries no encoder input).  The other tensors come from ``proc.plan_tensors``.
+    """
+    tensors: dict[str, np.ndarray | PendingTensor] = {}
+    shares = [proc.plan_tensors(pl) for pl in plans]  # type: ignore[arg-type]
+    for spec in proc.specs:
+        if spec.primary:
+            if isinstance(primaries, (PendingTensor, np.ndarray)):
+                tensors[spec.name] = primaries
+            elif primaries is not None:
+                tensors[spec.name] = combine(spec, list(primaries))
+            continue
+        parts = [np.asarray(s[spec.name]) for s in shares]
+        tensors[spec.name] = combine(spec, parts).astype(spec.dtype, copy=False)
+    return EncoderBatch(modality=proc.modality, tensors=tensors, specs=proc.specs,
+                        placeholder_token_id=proc.placeholder_token_id)

@@ -1,0 +1,214 @@
+"""What the reference engine knows per model family: data, one table keyed by ``model_type``.
+
+Stage: engine start-up (read once) and request intake.  In: a config's
+``model_type``; out: an :class:`EngineFamily`, frozen, holding
+
+  * ``shrink`` (:class:`ShrinkSpec`): how a weight-less bundle's config becomes a
+    CPU-sized model: which fields take which small value, which named rescaling
+    rules of :mod:`.shrink` run after that, which fields must come out unchanged
+    (every token id and the vision geometry a gateway can observe), and which
+    parameters the reference init leaves at zero and the engine re-draws;
+  * ``token_types`` (:class:`TokenTypes`): the per-token modality tensor the
+    model's forward takes, built from the placeholder ids as the model's own
+    processor builds it (Qwen-VL ``mm_token_type_ids``, Gemma 3 ``token_type_ids``);
+  * ``raw_layout`` (:class:`RawLayout`): where the channel axis of a raw uint8
+    primary tensor is, for ``--mm-device-do-normalize``; None: the engine does
+    not normalize this family's pixels on device (and does not advertise it).
+
+A ``model_type`` not in :data:`ENGINE_FAMILIES` gets :data:`GENERIC`: a text
+model shrinks by :data:`TEXT_ONLY_SHRINK`, and a media model without a row is
+refused when it has no weights (:func:`mmgate.refengine.shrink.shrink_config`).
+
+The sizes (one table for every family): text decoder 2 layers x 64 wide, 4
+heads of 16 (2 KV heads), MLP 128; vision tower 2 layers x 32 wide, 2 heads of
+16, MLP 64.  A one-image request runs in well under a second on 2 cores even
+at Gemma 3's 896x896 input (4096 patches) or a five-tile LLaVA-NeXT image.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from types import MappingProxyType
+from typing import Final
+
+#: text decoder size after shrinking
+TEXT_LAYERS: Final = 2
+TEXT_HIDDEN: Final = 64
+TEXT_HEADS: Final = 4
+TEXT_KV_HEADS: Final = 2
+TEXT_INTERMEDIATE: Final = 128
+TEXT_HEAD_DIM: Final = TEXT_HIDDEN // TEXT_HEADS  # 16
+
+#: vision tower size after shrinking (head_dim = 32 / 2 = 16)
+VISION_DEPTH: Final = 2
+VISION_HIDDEN: Final = 32
+VISION_HEADS: Final = 2
+VISION_INTERMEDIATE: Final = 64
+
+#: init std for the random weights (reference checkpoints use 0.02)
+INITIALIZER_RANGE: Final = 0.2
+
+
+def _frozen(values: Mapping[str, int]) -> Mapping[str, int]:
+    return MappingProxyType(dict(values))
+
+
+@dataclass(frozen=True, slots=True)
+class ShrinkSpec:
+    """How one family's config shrinks.
+
+    ``text`` / ``vision``: field -> shrunken value, set only where the bundle's
+    (text / vision) config has the field with a value (``head_dim`` of a config
+    that derives it stays derived).  ``rules``: names of :data:`mmgate.refengine.shrink.RULES`,
+    run in order after the sizes.  ``keep``: config paths that must come out
+    unchanged (``text.`` = ``get_text_config()``, ``vision.`` = ``vision_config``,
+    else the top level); :func:`~mmgate.refengine.shrink.shrink_config` checks them.
+    ``redraw``: parameter names the transformers init fills with zeros, drawn
+    from N(0, :data:`INITIALIZER_RANGE`) instead so the output depends on them.
+    ``overrides``: config paths set to a value whatever the bundle says (structure
+    a random model needs to answer with more than its last prompt token).
+    """
+
+    text: Mapping[str, int]
+    vision: Mapping[str, int] = field(default_factory=lambda: _frozen({}))
+    rules: tuple[str, ...] = ()
+    keep: tuple[str, ...] = ()
+    redraw: tuple[str, ...] = ()
+    overrides: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))  # path -> value, set last
+
+
+@dataclass(frozen=True, slots=True)
+class TokenTypes:
+    """A per-token modality tensor the forward takes: 0 text, ``image`` / ``video`` on placeholder ids."""
+
+    kwarg: str  # forward keyword, e.g. "mm_token_type_ids"
+    image: int | None = 1  # value on image placeholder tokens (config image_token_id)
+    video: int | None = None  # value on video placeholder tokens (config video_token_id)
+
+
+class RawLayout(StrEnum):
+    """The layout of a raw uint8 primary tensor, as far as normalizing it needs."""
+
+    PATCH_ROWS = "patch_rows"  # [N, C*K]: rows of patches, channel-major columns (Qwen-VL C, T, P, P)
+    CHANNELS_FIRST = "channels_first"  # [..., C, H, W]: images or tiles, channel axis third from last
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFamily:
+    """One family's row (see the module docstring)."""
+
+    name: str
+    shrink: ShrinkSpec  # the config rules for a weight-less bundle
+    token_types: TokenTypes | None
+    raw_layout: RawLayout | None
+
+
+# ---- the sizes, as the field names of each config class -----------------------------------
+
+#: decoder fields shared by Qwen2/2.5/3-VL text, Llama, Mistral and Gemma 3 text configs
+_DECODER = _frozen({
+    "num_hidden_layers": TEXT_LAYERS,
+    "hidden_size": TEXT_HIDDEN,
+    "num_attention_heads": TEXT_HEADS,
+    "num_key_value_heads": TEXT_KV_HEADS,
+    "intermediate_size": TEXT_INTERMEDIATE,
+    "head_dim": TEXT_HEAD_DIM,
+})
+#: CLIP / SigLIP vision towers (LLaVA, LLaVA-NeXT, Gemma 3)
+_VIT = _frozen({
+    "num_hidden_layers": VISION_DEPTH,
+    "hidden_size": VISION_HIDDEN,
+    "num_attention_heads": VISION_HEADS,
+    "intermediate_size": VISION_INTERMEDIATE,
+})
+
+#: text rules every decoder gets (each is a no-op where its field is absent)
+_TEXT_RULES = ("layer_types", "max_window_layers", "mrope_section")
+_TEXT_IDS = ("text.vocab_size", "text.eos_token_id", "text.bos_token_id", "text.pad_token_id",
+             "text.max_position_embeddings")
+
+TEXT_ONLY_SHRINK: Final = ShrinkSpec(text=_DECODER, rules=_TEXT_RULES, keep=_TEXT_IDS)
+
+_QWEN_IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+_QWEN_PATCHES = ("vision.patch_size", "vision.temporal_patch_size", "vision.spatial_merge_size",
+                 "vision.in_channels", "vision.window_size", "vision.num_position_embeddings",
+                 "vision.tokens_per_second")
+
+QWEN2_VL_SHRINK: Final = ShrinkSpec(
+    text=_DECODER,
+    # embed_dim = tower width; hidden_size = the merger's output = the text width
+    vision=_frozen({"depth": VISION_DEPTH, "embed_dim": VISION_HIDDEN, "hidden_size": TEXT_HIDDEN,
+                    "num_heads": VISION_HEADS}),
+    rules=_TEXT_RULES,
+    keep=_QWEN_IDS + _TEXT_IDS + _QWEN_PATCHES,
+)
+QWEN2_5_VL_SHRINK: Final = ShrinkSpec(
+    text=_DECODER,
+    # hidden_size = tower width; out_hidden_size = the merger's output = the text width
+    vision=_frozen({"depth": VISION_DEPTH, "hidden_size": VISION_HIDDEN, "out_hidden_size": TEXT_HIDDEN,
+                    "num_heads": VISION_HEADS, "intermediate_size": VISION_INTERMEDIATE}),
+    rules=_TEXT_RULES + ("fullatt_block_indexes",),
+    keep=_QWEN_IDS + _TEXT_IDS + _QWEN_PATCHES,
+)
+QWEN3_VL_SHRINK: Final = ShrinkSpec(
+    text=_DECODER,
+    vision=QWEN2_5_VL_SHRINK.vision,
+    rules=_TEXT_RULES + ("deepstack_visual_indexes",),
+    keep=_QWEN_IDS + _TEXT_IDS + _QWEN_PATCHES,
+)
+
+#: vision_feature_layer is not kept but rescaled (rule): -2 stays -2 in the two-layer tower
+_LLAVA_KEEP = (
+    "image_token_index", "vocab_size", "pad_token_id", "image_seq_length", "vision_feature_select_strategy",
+    "vision.image_size", "vision.patch_size", "vision.num_channels",
+) + _TEXT_IDS
+
+LLAVA_SHRINK: Final = ShrinkSpec(
+    text=_DECODER, vision=_VIT, rules=_TEXT_RULES + ("vision_feature_layer",), keep=_LLAVA_KEEP,
+)
+LLAVA_NEXT_SHRINK: Final = ShrinkSpec(
+    text=_DECODER, vision=_VIT, rules=_TEXT_RULES + ("vision_feature_layer",),
+    keep=_LLAVA_KEEP + ("image_grid_pinpoints", "use_image_newline_parameter", "text.sliding_window"),
+)
+GEMMA3_SHRINK: Final = ShrinkSpec(
+    text=_DECODER,
+    vision=_VIT,
+    # layer_types keeps one full-attention layer after the sliding one; the pooling geometry
+    # (image_size / patch_size = 64 patches a side, pooled to sqrt(mm_tokens_per_image) = 16) is kept
+    rules=_TEXT_RULES + ("sliding_window_pattern", "query_pre_attn_scalar"),
+    keep=("image_token_index", "boi_token_index", "eoi_token_index", "eos_token_id", "mm_tokens_per_image",
+          "text.sliding_window", "text.rope_parameters", "text.final_logit_softcapping",
+          "vision.image_size", "vision.patch_size", "vision.num_channels", "vision.vision_use_head") + _TEXT_IDS,
+    # transformers 5.24 Gemma3PreTrainedModel._init_weights zeroes the projector: every image would embed to 0
+    redraw=("model.multi_modal_projector.mm_input_projection_weight",),
+    # Gemma scales embeddings by sqrt(hidden) and normalizes every sublayer's output to unit RMS, so with
+    # the head tied to the embeddings a random model's argmax is always the last prompt token
+    overrides=MappingProxyType({"tie_word_embeddings": False, "text.tie_word_embeddings": False}),
+)
+
+# ---- the table ------------------------------------------------------------------------------
+
+#: transformers 5.24 ``ProcessorMixin.create_mm_token_type_ids``: 1 image, 2 video (Qwen-VL's M-RoPE reads it)
+MM_TOKEN_TYPES: Final = TokenTypes("mm_token_type_ids", image=1, video=2)
+
+GENERIC: Final = EngineFamily("generic", shrink=TEXT_ONLY_SHRINK, token_types=MM_TOKEN_TYPES, raw_layout=None)
+
+ENGINE_FAMILIES: Final[Mapping[str, EngineFamily]] = MappingProxyType({
+    "qwen2_vl": EngineFamily("qwen2_vl", QWEN2_VL_SHRINK, MM_TOKEN_TYPES, RawLayout.PATCH_ROWS),
+    "qwen2_5_vl": EngineFamily("qwen2_5_vl", QWEN2_5_VL_SHRINK, MM_TOKEN_TYPES, RawLayout.PATCH_ROWS),
+    "qwen3_vl": EngineFamily("qwen3_vl", QWEN3_VL_SHRINK, MM_TOKEN_TYPES, RawLayout.PATCH_ROWS),
+    # transformers 5.24 LlavaForConditionalGeneration / LlavaNextForConditionalGeneration take no token types
+    "llava": EngineFamily("llava", LLAVA_SHRINK, None, RawLayout.CHANNELS_FIRST),
+    "llava_next": EngineFamily("llava_next", LLAVA_NEXT_SHRINK, None, RawLayout.CHANNELS_FIRST),
+    # Gemma3ForConditionalGeneration.forward: token_type_ids == 1 marks the image tokens that attend
+    # bidirectionally (get_block_sequence_ids_for_mask); Gemma3Processor sets 1 on image_token_id
+    "gemma3": EngineFamily("gemma3", GEMMA3_SHRINK, TokenTypes("token_type_ids", image=1),
+                           RawLayout.CHANNELS_FIRST),
+})
+
+
+def engine_family(model_type: str) -> EngineFamily:
+    """The row for ``model_type``; :data:`GENERIC` for one the table does not name."""
+    return ENGINE_FAMILIES.get(model_type, GENERIC)
