@@ -8,7 +8,7 @@ Order of refusals (cheap first, nothing fetched before all of them pass):
 unknown model -> modality the model cannot take -> per-request item limit ->
 URL scheme (:mod:`mmgate.planning`) -> chat template -> one anchor per item.  Then each *distinct*
 URL is fetched once (concurrently) and decoded, images are preprocessed in a
-bounded thread pool (numpy, Pillow and torch release the GIL), and every
+bounded thread pool (numpy, Pillow and the resize extension release the GIL), and every
 anchor is replaced by its placeholder run.
 
 Videos (docs/video.md) take the same path with one more step: each distinct

@@ -27,11 +27,12 @@ from mmgate.options import add_option, resolve
 class ImageBackend(StrEnum):
     """Which transformers image-processor backend mmgate is exact to.
 
-    ``torchvision``: the ``Qwen2VLImageProcessor`` class (transformers 5.24
-    default whenever torchvision is importable); resizes with torch's uint8
-    antialiased kernel, so mmgate needs the optional ``torch`` extra.
+    ``torchvision``: the torchvision-backend image processor class (e.g. ``Qwen2VLImageProcessor``,
+    transformers 5.24's default whenever torchvision is importable); its resize is torch's uint8
+    antialiased kernel, which mmgate reproduces exactly without torch
+    (:mod:`mmgate.media.tv_resize` and its C extension).
     ``pil``: the ``*ImageProcessorPil`` class; resizes with Pillow.
-    ``auto``: ``torchvision`` when torch and torchvision import, else ``pil``.
+    ``auto``: ``torchvision`` (transformers' default), with or without torch installed.
     """
 
     AUTO = "auto"
@@ -107,7 +108,7 @@ def add_media_options(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group(GROUP_MEDIA)
     add_option(g, "--image-backend", choices=[b.value for b in ImageBackend], default=ImageBackend.AUTO.value,
                env=(ENV_IMAGE_BACKEND,),
-               help="transformers image-processor backend to be exact to (auto: torchvision when importable)")
+               help="transformers image-processor backend to be exact to (auto: torchvision, transformers' default; no torch needed)")
     add_option(g, "--mm-limit", action="append", default=[], metavar="MODALITY=COUNT",
                env_doc=tuple(ENV_MAX_COUNT.values()),
                help="per-request item limit override, e.g. image=4; repeat per modality")

@@ -7,8 +7,9 @@ image bytes (``parity_support.ImageSpec.encode``), runs them through mmgate
 (``decode_image`` -> ``plan`` -> ``preprocess_one`` -> ``assemble``) and
 compares the resized size, ``image_grid_thw``, the ``pixel_values`` shape and
 the sha256 of its float32 little-endian bytes, and the image token count.
-The ``torchvision`` rows need torch + torchvision (the ``mmgate[torch]``
-extra, installed in CI); without them they fail with mmgate's own message.
+The ``torchvision`` rows need no torch either: mmgate reproduces torch's uint8
+resize itself (``mmgate.media.tv_resize``; ``tests/media/test_torch_free.py`` runs
+the torchvision backend with torch unimportable).
 
 Conversations: the prompt rendered and tokenized by mmgate, each anchor
 spliced with ``family.expand``, must give the reference ``input_ids`` (sha256,

@@ -38,7 +38,6 @@ from mmgate.media.data_url import decode_data_url
 from mmgate.media.image import decode_image
 from mmgate.models.qwen_vl import QwenVLFamily, QwenVLImage, image_params_from_config
 from mmgate.settings import FetchSettings, ImageBackend, Settings
-from mmgate.types import Modality
 from tests.conftest import bundle_dir
 from tests.support.servers import gateway_in_thread
 

@@ -76,19 +76,17 @@ def test_qwen3_default_is_two_frames_per_second_within_min_and_max_frames() -> N
 
 
 def test_qwen2_index_arithmetic_equals_torch_arange_on_float32() -> None:
-    """``torch.arange(0, total, total / n).int()`` fills float32 in 8- or 16-lane SIMD blocks, so long clips
-    get CPU-dependent low bits: with torch mmgate calls it; the torch-free port models the 8-lane (AVX2/NEON)
-    layout, checked here on the machines where torch itself runs 8 lanes."""
-    import torch
+    """``torch.arange(0, total, total / n).int()`` fills float32 in 8-lane SIMD blocks with float64 sums, so
+    long clips get layout-dependent low bits; mmgate models that layout without torch.  On x86 torch runs it
+    with 8 lanes under every CPU capability (AVX512 included), so the comparison holds on any x86 machine."""
+    import platform
 
-    from mmgate.models.qwen_vl_frames import _arange_8_lanes
-
+    torch = pytest.importorskip("torch")
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the 8-lane layout is measured on x86; aarch64 torch builds use other Vectorized<float> widths")
     rng = random.Random(0)
-    eight_lanes = torch.backends.cpu.get_cpu_capability() in ("AVX2", "DEFAULT", "NO AVX")
     for _ in range(800):
         total = rng.randint(2, 200_000)
         n = rng.randrange(2, min(768, total) + 1, 2)
         expected = torch.arange(0, total, total / n).int().tolist()
-        assert torch_arange_int(total, n) == expected
-        if eight_lanes:
-            assert _arange_8_lanes(total, n) == expected, (total, n)
+        assert torch_arange_int(total, n) == expected, (total, n, torch.backends.cpu.get_cpu_capability())

@@ -1,18 +1,27 @@
-"""The pixel paths of ``mmgate.models.video_pixels`` agree with each other.
+"""The pixel path of ``mmgate.models.video_pixels`` equals torch's, computed without torch.
 
-The torch path (channels-last resize, uint8 patchify, fused normalize) is
-checked against the reference in ``test_video_parity.py``; here the table
-gather and the numpy patchify give the same values, and the torch-free
-(Pillow) resize stays within one 8-bit step of it.
+``FrameProcessor`` (torchvision backend) resizes frame by frame with the torch-free
+kernel, patchifies the uint8 frames and normalizes with the fused float32 formula.
+Here it is compared with what the reference does on a ``[1, N, C, H, W]`` tensor
+(transformers 5.24 ``Qwen2VLVideoProcessor._preprocess``: ``tvF.resize`` bicubic
+antialias on the batch, ``TorchvisionBackend.rescale_and_normalize`` fused
+``(x - mean/scale) / (std/scale)`` in float32, time padding, view + permute), run
+with torch in this test; the whole-clip comparison with transformers itself is
+``test_video_parity.py``.  The Pillow resize stays within one 8-bit step of it.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
+import pytest
 
 from mmgate.models import geometry
 from mmgate.models.video_pixels import FrameProcessor, patchify_video
 from mmgate.settings import ImageBackend
+from tests.conftest import bundle_dir
 from tests.video.video_support import frame_pixels
 
 MEAN, STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
@@ -27,20 +36,45 @@ def frames(n: int = 5, h: int = 50, w: int = 70) -> np.ndarray:
     return np.stack([frame_pixels(i, h, w) for i in range(n)])
 
 
-def test_fused_normalize_equals_the_table_and_numpy_patchify_equals_torch() -> None:
-    fused = processor(ImageBackend.TORCHVISION)
-    assert fused.fused is not None
-    table = processor(ImageBackend.TORCHVISION)
-    table.fused = None
+def torch_reference(clip: np.ndarray, size_hw: tuple[int, int], patch: int, merge: int, tps: int) -> np.ndarray:
+    """The reference's arithmetic on torch tensors: batched resize, fused normalize, pad, patchify."""
+    torch = pytest.importorskip("torch")
+    tv = pytest.importorskip("torchvision.transforms.v2")
+    x = torch.from_numpy(clip).permute(0, 3, 1, 2).contiguous()  # [N, C, H, W], as the reference stacks it
+    x = tv.functional.resize(x, list(size_hw), interpolation=tv.InterpolationMode.BICUBIC, antialias=True)
+    mean = torch.tensor(MEAN) * (1.0 / (1 / 255))  # _fuse_mean_std_and_rescale_factor
+    std = torch.tensor(STD) * (1.0 / (1 / 255))
+    x = tv.functional.normalize(x.to(torch.float32), mean.tolist(), std.tolist())
+    if pad := -x.shape[0] % tps:
+        x = torch.cat([x, x[-1:].expand(pad, *x.shape[1:])], dim=0)
+    n, c, h, w = x.shape
+    gt, gh, gw = n // tps, h // patch, w // patch
+    x = x.view(gt, tps, c, gh // merge, merge, patch, gw // merge, merge, patch)
+    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return x.reshape(gt * gh * gw, c * tps * patch * patch).numpy()
+
+
+def test_frame_processor_equals_torch_resize_and_fused_normalize() -> None:
+    proc = processor(ImageBackend.TORCHVISION)
+    assert proc.normalizer.formula is not None and proc.normalizer.formula[0] == ""  # the fused formula
+    for n, (h, w), size in [(5, (50, 70), (56, 84)), (4, (90, 120), (28, 56)), (3, (56, 84), (56, 84))]:
+        clip = frames(n, h, w)
+        got = proc(clip, size, geometry.RESAMPLE_BICUBIC, 14, 2, 2, raw=False)
+        want = torch_reference(clip, size, 14, 2, 2)
+        assert got.dtype == np.float32 and got.shape == want.shape
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (n, h, w, size)
+
+
+def test_raw_rows_are_the_resized_frames_patchified() -> None:
+    proc = processor(ImageBackend.TORCHVISION)
     clip = frames()
-    a = fused(clip, (56, 84), geometry.RESAMPLE_BICUBIC, 14, 2, 2, raw=False)
-    b = table(clip, (56, 84), geometry.RESAMPLE_BICUBIC, 14, 2, 2, raw=False)
-    assert a.dtype == np.float32 and np.array_equal(a, b)
-    raw = fused(clip, (56, 84), geometry.RESAMPLE_BICUBIC, 14, 2, 2, raw=True)
+    raw = proc(clip, (56, 84), geometry.RESAMPLE_BICUBIC, 14, 2, 2, raw=True)
     resized = np.stack([geometry.resize_uint8(f, (56, 84), geometry.RESAMPLE_BICUBIC, ImageBackend.TORCHVISION)
                         for f in clip])
-    assert np.array_equal(raw, patchify_video(resized, 14, 2, 2))
+    assert raw.dtype == np.uint8 and np.array_equal(raw, patchify_video(resized, 14, 2, 2))
     assert raw.shape == (3 * 4 * 6, 3 * 2 * 14 * 14)  # 5 frames padded to 6: grid (3, 4, 6)
+    table = proc.lut[np.arange(3)[None, :, None], raw.reshape(len(raw), 3, -1)].reshape(raw.shape)
+    assert np.array_equal(proc(clip, (56, 84), geometry.RESAMPLE_BICUBIC, 14, 2, 2, raw=False), table)
 
 
 def test_pillow_fallback_is_within_one_step_of_the_torch_kernel() -> None:
@@ -50,20 +84,13 @@ def test_pillow_fallback_is_within_one_step_of_the_torch_kernel() -> None:
     assert a.shape == b.shape and int(np.abs(a.astype(int) - b.astype(int)).max()) <= 1
 
 
-def test_video_backend_follows_the_image_backend_without_importing_torch_for_pil() -> None:
-    """``--image-backend pil``: the video path stays exact to the torchvision-only reference but loads
-    torch with the first clip, not at start-up (checked in a fresh interpreter)."""
-    import subprocess
-    import sys
-
-    from tests.conftest import bundle_dir
-
+def test_video_backend_is_torchvision_whatever_the_image_backend_and_imports_no_torch() -> None:
+    """The reference video processors are torchvision-only, and that backend needs no torch: the
+    video path is exact to it under every ``--image-backend`` (checked in a fresh interpreter)."""
     tv, pil, auto = ImageBackend.TORCHVISION, ImageBackend.PIL, ImageBackend.AUTO
-    assert geometry.video_backend_for(auto, tv) is tv and geometry.video_backend_for(tv, tv) is tv
-    assert geometry.video_backend_for(auto, pil) is pil  # auto fell back: torchvision does not import here
-    assert geometry.video_backend_for(pil, pil) is tv  # installed (this suite needs it): loaded on first use
-    lazy = processor(ImageBackend.TORCHVISION)
-    assert lazy._fused is False and lazy.fused is not None  # checked on first use
+    assert geometry.resolve_backend(auto) is tv and geometry.resolve_backend(pil) is pil
+    for requested in (tv, pil, auto):
+        assert geometry.video_backend_for(requested, geometry.resolve_backend(requested)) is tv
     script = (
         "import sys\n"
         "from mmgate.api.app import build_state\n"

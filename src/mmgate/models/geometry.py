@@ -12,23 +12,25 @@ Resizing is the one step whose kernel differs by backend:
 * PIL backend (``*ImageProcessorPil``): ``PIL.Image.resize`` — we call Pillow.
 * torchvision backend (``Qwen2VLImageProcessor``): ``tvF.resize`` on a uint8
   ``[C, H, W]`` tensor with ``antialias=True`` — torch's own uint8 kernel, which
-  differs from Pillow by 1 LSB on a fraction of pixels (docs/parity.md), so we
-  call it through the optional ``torch`` extra.
+  differs from Pillow by 1 LSB on a fraction of pixels (docs/parity.md).  We
+  reproduce that kernel bit for bit without torch (:mod:`mmgate.media.tv_resize`,
+  compiled passes with a numpy fallback), so the gateway imports no torch and
+  ``auto`` always means transformers' own default, the torchvision backend.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 from PIL import Image
 
 from mmgate.errors import ErrorCode, GatewayError
+from mmgate.media.tv_resize import resize_uint8_tv
 from mmgate.settings import ImageBackend
 
 #: transformers ``PILImageResampling`` values (= Pillow's)
@@ -87,54 +89,27 @@ class PatchGeometry:
         return len(self.image_mean) * self.temporal_patch_size * self.patch_size * self.patch_size
 
 
-def _torch_modules() -> tuple[Any, Any, Any]:
-    try:
-        import torch
-        from torchvision.transforms.v2 import InterpolationMode
-        from torchvision.transforms.v2 import functional as tvF
-    except Exception as exc:  # ImportError, or a torchvision that fails to load its ops
-        raise GatewayError(
-            ErrorCode.INTERNAL_ERROR,
-            f"image backend 'torchvision' needs the mmgate[torch] extra ({type(exc).__name__})",
-        ) from None
-    return torch, tvF, InterpolationMode
-
-
-def torchvision_available() -> bool:
-    """Whether the torchvision backend can run here."""
-    try:
-        _torch_modules()
-    except GatewayError:
-        return False
-    return True
-
-
 def resolve_backend(requested: ImageBackend) -> ImageBackend:
-    """``auto`` -> ``torchvision`` when importable (transformers' own default), else ``pil``."""
-    if requested is ImageBackend.AUTO:
-        return ImageBackend.TORCHVISION if torchvision_available() else ImageBackend.PIL
-    return requested
+    """``auto`` -> ``torchvision``: the class transformers' ``AutoImageProcessor`` picks when
+    torchvision imports (its default), reproduced here without torch."""
+    return ImageBackend.TORCHVISION if requested is ImageBackend.AUTO else requested
 
 
 def video_backend_for(requested: ImageBackend, resolved: ImageBackend) -> ImageBackend:
-    """The video path's backend (the reference video processors are torchvision-only), chosen
-    without importing torch where the image backend did not need it.
+    """The video path's backend: always ``torchvision``.
 
-    * the images use torchvision (torch is loaded): torchvision;
-    * ``auto`` resolved to ``pil``: torchvision failed to import, so ``pil``;
-    * ``pil`` asked for explicitly: torchvision when torch and torchvision are installed
-      (``importlib.util.find_spec``), imported on the first video; else ``pil``.
+    The reference video processors (``Qwen2VLVideoProcessor`` and kin) are torchvision-only,
+    whatever image backend the images follow, and their resize needs no torch here
+    (:mod:`mmgate.media.tv_resize`).  The arguments are kept for the callers' signature.
     """
-    if resolved is ImageBackend.TORCHVISION:
-        return ImageBackend.TORCHVISION
-    if requested is ImageBackend.AUTO:
-        return ImageBackend.PIL
-    installed = all(importlib.util.find_spec(name) is not None for name in ("torch", "torchvision"))
-    return ImageBackend.TORCHVISION if installed else ImageBackend.PIL
+    del requested, resolved
+    return ImageBackend.TORCHVISION
 
 
-_TV_INTERPOLATION = {RESAMPLE_NEAREST: "NEAREST_EXACT", RESAMPLE_BILINEAR: "BILINEAR",
-                     RESAMPLE_BICUBIC: "BICUBIC", RESAMPLE_LANCZOS: "LANCZOS"}
+#: transformers ``pil_torch_interpolation_mapping`` for the resamples torch's uint8 antialiased kernel runs
+_TV_MODES: dict[int, Literal["bilinear", "bicubic"]] = {RESAMPLE_BILINEAR: "bilinear", RESAMPLE_BICUBIC: "bicubic"}
+#: resamples the torch-free kernel does not cover (no shipped bundle uses one): run by torch itself
+_TV_TORCH_ONLY = {RESAMPLE_NEAREST: "NEAREST_EXACT", RESAMPLE_LANCZOS: "LANCZOS"}
 
 
 def resize_uint8(pixels: npt.NDArray[np.uint8], size_hw: tuple[int, int], resample: int,
@@ -143,21 +118,43 @@ def resize_uint8(pixels: npt.NDArray[np.uint8], size_hw: tuple[int, int], resamp
 
     PIL: transformers ``image_transforms.resize`` -> ``PIL.Image.resize((w, h), resample)``.
     torchvision: ``TorchvisionBackend.resize`` -> ``tvF.resize(uint8 [C,H,W], antialias=True)``
-    (``pil_torch_interpolation_mapping`` maps BICUBIC -> InterpolationMode.BICUBIC).
+    (``pil_torch_interpolation_mapping`` maps BICUBIC -> InterpolationMode.BICUBIC), i.e.
+    torch's CPU uint8 antialiased kernel, computed by :func:`mmgate.media.tv_resize.resize_uint8_tv`
+    without torch for BILINEAR and BICUBIC.  NEAREST and LANCZOS are handed to torch itself when
+    it is installed (no shipped bundle uses them).
 
     Returns:
         uint8 ``[h, w, 3]``.
+
+    Raises:
+        GatewayError(INTERNAL_ERROR): torchvision backend, NEAREST or LANCZOS, and torch is not
+            installed.
     """
     if backend is ImageBackend.PIL:
         out = Image.fromarray(pixels).resize((size_hw[1], size_hw[0]), resample=resample)
         return np.asarray(out)
-    torch, tvF, mode = _torch_modules()
-    # A channels-last view: torch's uint8 antialiased kernel works channels-last internally and gives the
-    # same bytes as for the contiguous [C, H, W] tensor transformers passes (tested on the parity corpus),
-    # without two full copies.
-    tensor = torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1)
-    interp = getattr(mode, _TV_INTERPOLATION.get(resample, "BILINEAR"))
-    resized = tvF.resize(tensor, list(size_hw), interpolation=interp, antialias=True)
+    if resample in _TV_TORCH_ONLY:
+        return _resize_with_torch(pixels, size_hw, _TV_TORCH_ONLY[resample])
+    # BOX / HAMMING have no tensor kernel in torchvision (the reference raises): bilinear, as before
+    return resize_uint8_tv(pixels, size_hw, _TV_MODES.get(resample, "bilinear"))
+
+
+def _resize_with_torch(pixels: npt.NDArray[np.uint8], size_hw: tuple[int, int],
+                       interpolation: str) -> npt.NDArray[np.uint8]:
+    """``tvF.resize`` itself, for the resamples :mod:`mmgate.media.tv_resize` does not cover."""
+    try:
+        import torch
+        from torchvision.transforms.v2 import InterpolationMode
+        from torchvision.transforms.v2 import functional as tvF
+    except Exception as exc:  # noqa: BLE001  # ImportError, or a torchvision that fails to load its ops
+        raise GatewayError(
+            ErrorCode.INTERNAL_ERROR,
+            f"image backend 'torchvision' with resample {interpolation} needs torch + torchvision "
+            f"({type(exc).__name__}); BILINEAR and BICUBIC do not",
+        ) from None
+    tensor: Any = torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1)
+    resized = tvF.resize(tensor, list(size_hw), interpolation=getattr(InterpolationMode, interpolation),
+                         antialias=True)
     return np.ascontiguousarray(resized.permute(1, 2, 0).numpy())
 
 
@@ -198,7 +195,10 @@ def normalize_lut(backend: ImageBackend, rescale_factor: float, mean: tuple[floa
     return table
 
 
-def concat_rows(parts: Sequence[np.ndarray], width: int, dtype: np.dtype = np.dtype(np.float32)) -> np.ndarray:
+_FLOAT32 = np.dtype(np.float32)
+
+
+def concat_rows(parts: Sequence[np.ndarray], width: int, dtype: np.dtype = _FLOAT32) -> np.ndarray:
     """Concatenate ``[n_i, width]`` arrays (an empty ``[0, width]`` array of ``dtype`` for none)."""
     if not parts:
         return np.zeros((0, width), dtype=dtype)

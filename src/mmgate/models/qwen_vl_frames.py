@@ -124,20 +124,20 @@ def _too_few_frames(total: int) -> GatewayError:
 
 
 def torch_arange_int(total: int, num_frames: int) -> list[int]:
-    """``torch.arange(0, total, total / num_frames).int()``, the reference's index arithmetic.
+    """``torch.arange(0, total, total / num_frames).int()``, the reference's index arithmetic, without torch.
 
-    torch fills a float32 tensor in SIMD blocks (ATen ``arange_kernel``: lane
-    ``k`` of a block is ``float32(float32(start + step * block_start) + k * step)``,
-    the tail ``float32(start + step * i)``), so the low bits depend on the
-    CPU's vector width.  With torch importable we call it (exact on this
-    machine, as the reference is); without, we emulate the 8-lane layout
-    (AVX2 and NEON builds).
+    ATen ``RangeFactoriesKernel.cpp`` ``arange_kernel`` (torch 2.14.1) computes in the
+    accumulate type of float32 on CPU, float64: ``cpu_serial_kernel_vec`` fills pairs of
+    ``Vectorized<float>`` blocks, lane ``k`` of the block at ``i0`` being
+    ``float32(float32(start + step * i0) + k * step)`` (``Vectorized<float>::arange``,
+    the sum in float64), and the scalar tail ``float32(start + step * i)``; ``.int()``
+    truncates.  The low bits depend on the block width: 8 lanes, measured equal to torch
+    on x86 with CPU capability AVX2, AVX512 (this kernel runs 8 lanes there too) and
+    DEFAULT (``tests/video/test_sampling_rules.py``).  torch builds whose NEON
+    ``Vectorized<float>`` has 4 lanes and a float32 ``fmadd`` (aarch64) may differ in the
+    last bit on long clips; that layout is not modelled.
     """
-    try:
-        import torch
-    except ImportError:
-        return _arange_8_lanes(total, num_frames)
-    return [int(v) for v in torch.arange(0, total, total / num_frames).int().tolist()]
+    return _arange_8_lanes(total, num_frames)
 
 
 def _arange_8_lanes(total: int, num_frames: int, lanes: int = 8) -> list[int]:
