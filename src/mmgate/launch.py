@@ -65,21 +65,19 @@ def _spawn(name: str, args: Sequence[str], port: int, log_dir: Path | None, env:
 
 
 def wait_grpc_health(child: Child, timeout_s: float = 180.0) -> None:
-    """Wait until the engine answers HealthCheck (raises RuntimeError with its log on failure)."""
+    """Wait until the engine says healthy, whichever engine service it serves (the engine seam's detection,
+    :func:`mmgate.engines.probe.healthy_sync`); raises RuntimeError with its log on failure."""
     import grpc
-    from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+    from mmgate.engines.probe import healthy_sync
 
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(f"127.0.0.1:{child.port}") as channel:
-        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
         while time.monotonic() < deadline:
             if child.proc.poll() is not None:
                 raise RuntimeError(f"{child.name} exited ({child.proc.returncode}):\n{child.log_tail()}")
-            try:
-                if stub.HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=1.0).healthy:
-                    return
-            except grpc.RpcError:
-                pass
+            if healthy_sync(channel, timeout_s=1.0):
+                return
             time.sleep(0.25)
     raise RuntimeError(f"{child.name} did not become healthy in {timeout_s}s:\n{child.log_tail()}")
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from mmgate.api.protocol import (
     AudioPart,
     ChatCompletionRequest,
+    ImageEmbedsPart,
     ImagePart,
     Message,
     TextPart,
@@ -87,6 +88,9 @@ def plan_request(req: ChatCompletionRequest, runtime: ModelRuntime, settings: Se
                     modality, url = Modality.VIDEO, part.video_url.url
                     hints = ItemHints(fps=part.video_url.fps, max_long_side_pixel=part.video_url.max_long_side_pixel,
                                       options=options)
+                elif isinstance(part, ImageEmbedsPart):
+                    raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED,
+                                       "image_embeds parts are not accepted: no engine wire carries them", param)
                 else:
                     assert isinstance(part, AudioPart)
                     modality, url = Modality.AUDIO, ""

@@ -31,7 +31,7 @@ import pytest
 from PIL import Image
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from mmgate.engines.vllm_client import Probe, ProbeOutcome
+from mmgate.engines.base import Probe, ProbeOutcome
 from mmgate.launch import start_engine
 from mmgate.routing.workers import HealthPolicy, Worker
 from mmgate.settings import FetchSettings, Settings

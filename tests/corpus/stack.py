@@ -29,7 +29,7 @@ import grpc
 import numpy as np
 from smg_grpc_proto.generated import vllm_engine_pb2
 
-from mmgate.engines.vllm_client import CHANNEL_OPTIONS
+from mmgate.engines.client import CHANNEL_OPTIONS
 from mmgate.settings import build_parser
 from mmgate.transport.inline import from_parts
 

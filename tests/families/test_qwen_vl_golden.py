@@ -40,7 +40,6 @@ from mmgate.models.bundle import load_bundle
 from mmgate.models.family import assemble
 from mmgate.models.registry import load_family
 from mmgate.settings import FetchSettings, ImageBackend
-from mmgate.types import Modality
 
 GOLDEN = json.loads(QWEN_VL_GOLDEN.read_text(encoding="utf-8"))
 IMAGES = {img["name"]: img for img in GOLDEN["images"]}

@@ -52,7 +52,6 @@ from mmgate.models.bundle import load_bundle  # noqa: E402
 from mmgate.models.family import assemble
 from mmgate.models.registry import load_family  # noqa: E402
 from mmgate.settings import FetchSettings, ImageBackend  # noqa: E402
-from mmgate.types import Modality  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

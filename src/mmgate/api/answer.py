@@ -7,9 +7,12 @@ Stage: select worker -> assemble -> transport -> engine (first response).  In: a
 before any byte of a response is sent.  Each endpoint renders the answer in its own shape
 (:mod:`mmgate.api.responses` for chat completions).
 
-Router mode prepares the request here (plan, render, fetch, preprocess, expand), picks the worker
-and writes the encoder tensors straight into their transport buffer; worker mode forwards media
-references (:func:`mmgate.api.worker_mode.forward_media_refs`).
+Router mode refuses media no registered worker takes (:func:`mmgate.api.capability.check_capable`,
+before anything is fetched), prepares the request here (plan, render, fetch, preprocess, expand),
+picks the worker and has its wire's adapter (:mod:`mmgate.engines.adapter`) write the encoder tensors
+straight into their transport buffer; worker mode forwards media references
+(:func:`mmgate.api.worker_mode.forward_media_refs`).  The engine's answer arrives as neutral
+:class:`~mmgate.engines.base.EngineEvent` values, whatever the wire.
 """
 
 from __future__ import annotations
@@ -25,17 +28,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mmgate import metrics, timing_log
+from mmgate.api.capability import check_capable
 from mmgate.api.protocol import ChatCompletionRequest
-from mmgate.engines.vllm import ENGINE, encode_generate_request
+from mmgate.engines.adapter import WireAdapter
+from mmgate.engines.base import EngineEvent, Role
 from mmgate.routing.mm_processing import Mode, decide_request
 from mmgate.routing.workers import Worker
-from mmgate.transport.policy import WirePlan, wire_plan
+from mmgate.transport.policy import WirePlan
 from mmgate.transport.shm import ShmError, ShmLease
 from mmgate.types import Modality, PreparedRequest
 
 if TYPE_CHECKING:
-    from smg_grpc_proto.generated import vllm_engine_pb2
-
     from mmgate.api.app import GatewayState
 
 
@@ -43,15 +46,15 @@ if TYPE_CHECKING:
 class EngineAnswer:
     """A request the engine has answered once.
 
-    ``first`` is the engine's first ``GenerateResponse`` and ``rest`` the remaining stream (close it
-    with ``aclose``); ``release`` frees the worker slot and runs exactly once, when the answer is
+    ``first`` is the engine's first event and ``rest`` the remaining stream (close it with
+    ``aclose``); ``release`` frees the worker slot and runs exactly once, when the answer is
     finished or abandoned; ``headers`` are the response headers every shape sends
     (``X-Request-Id``, ``X-Mmgate-Stage-Ms``, ...).
     """
 
     prepared: PreparedRequest
-    first: vllm_engine_pb2.GenerateResponse
-    rest: AsyncGenerator[vllm_engine_pb2.GenerateResponse, None]
+    first: EngineEvent
+    rest: AsyncGenerator[EngineEvent, None]
     release: Callable[[], None]
     headers: dict[str, str]
 
@@ -114,41 +117,48 @@ async def _start(state: GatewayState, req: ChatCompletionRequest, request_id: st
     decision = decide_request(req, state.settings, state.runtime, state.workers.workers)
     if decision is not None and decision.mode is Mode.WORKER:
         return await forward_media_refs(state, req, request_id, record)
-    chosen: list[tuple[Worker, WirePlan]] = []
+    check_capable(state, req)
+    chosen: list[tuple[Worker, WireAdapter, WirePlan]] = []
 
     def choose_worker(modalities: frozenset[Modality]) -> bool:
         worker = state.workers.select(modalities)
-        wire = wire_plan(state.settings.transport, worker.labels)
-        chosen.append((worker, wire))
+        adapter = worker.adapter
+        assert adapter is not None  # select() takes only workers of a wire with an adapter
+        wire = adapter.plan(state.settings.transport, worker.labels)
+        chosen.append((worker, adapter, wire))
         return wire.device_normalize
 
     prepared = await state.pipeline.prepare(req, request_id, choose_worker=choose_worker, defer_pixels=True)
-    worker, wire = chosen[0]
+    worker, adapter, wire = chosen[0]
     timings = prepared.timings_ms
     grant = await state.budget.acquire(sum(b.nbytes for b in prepared.batches))
     lease = ShmLease()
     release = worker.hold(lease.release, grant.release)
 
     try:
+        message = prepared
+        if not adapter.places_pending:  # a wire that slices tensors per item: deferred pixels are computed first
+            with metrics.stage("preprocess", timings):
+                message = await adapter.materialize(prepared)
         with metrics.stage("assemble", timings):
-            if _encode_is_heavy(prepared):
+            if _encode_is_heavy(message):
                 encoded = await asyncio.get_running_loop().run_in_executor(  # the context: timing events
-                    state.executor, contextvars.copy_context().run, encode_generate_request, prepared, wire, lease)
+                    state.executor, contextvars.copy_context().run, adapter.encode, message, Role.SINGLE, wire, lease)
             else:
-                encoded = encode_generate_request(prepared, wire, lease)
+                encoded = adapter.encode(message, Role.SINGLE, wire, lease)
         if encoded.pending:
             # Deferred pixels: computed now, straight into the segment or the request bytes.
             with metrics.stage("preprocess", timings):
                 try:
                     await encoded.fill()
                 except ShmError:  # /dev/shm full while writing: again, inline
-                    metrics.SHM_WRITE_FAILURES.labels(ENGINE).inc()
+                    metrics.SHM_WRITE_FAILURES.labels(worker.wire).inc()
                     lease.release()
-                    encoded = encode_generate_request(prepared, replace(wire, shm=False))
+                    encoded = adapter.encode(message, Role.SINGLE, replace(wire, shm=False), None)
                     await encoded.fill()
         metrics.PROMPT_TOKENS.inc(len(prepared.input_ids))
         assert worker.client is not None
-        responses = worker.client.generate(encoded.data)
+        responses = worker.client.generate(encoded)
     except BaseException:
         release()
         raise

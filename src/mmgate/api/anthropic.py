@@ -57,10 +57,9 @@ from mmgate.api.responses import EngineStreamingResponse
 from mmgate.errors import ErrorCode, GatewayError
 
 if TYPE_CHECKING:
-    from smg_grpc_proto.generated import vllm_engine_pb2
-
     from mmgate.api.app import GatewayState
     from mmgate.chat.tokenizer import BundleTokenizer
+    from mmgate.engines.base import EngineEvent
 
 log = logging.getLogger("mmgate.api")
 
@@ -274,7 +273,7 @@ def anthropic_error_response(exc: GatewayError, render: Callable[[GatewayError],
 
 # ---- answers --------------------------------------------------------------------------------------
 
-def _stop_reason(complete: vllm_engine_pb2.GenerateComplete, text: str,
+def _stop_reason(complete: EngineEvent, text: str,
                  stops: list[str]) -> tuple[str, str | None, int]:
     """(``stop_reason``, ``stop_sequence``, length of the text to keep) of a finished answer.
 
@@ -289,18 +288,18 @@ def _stop_reason(complete: vllm_engine_pb2.GenerateComplete, text: str,
         raise GatewayError(ErrorCode.ENGINE_ERROR, "engine reported an error finishing the request")
     if complete.finish_reason == "length":
         return "max_tokens", None, len(text)
-    matched = complete.matched_stop_str if complete.WhichOneof("matched_stop") == "matched_stop_str" else None
+    matched = complete.matched_stop_str
     if matched and matched in stops:
         cut = text.find(matched)
         return "stop_sequence", matched, cut if cut >= 0 else len(text)
     return "end_turn", None, len(text)
 
 
-def _prompt_tokens(answer: EngineAnswer, complete: vllm_engine_pb2.GenerateComplete | None = None) -> int:
+def _prompt_tokens(answer: EngineAnswer, complete: EngineEvent | None = None) -> int:
     """The engine's count of the expanded prompt; our own when the engine reports none."""
     reported = complete.prompt_tokens if complete is not None else 0
-    if not reported and answer.first.WhichOneof("response") == "chunk":
-        reported = answer.first.chunk.prompt_tokens
+    if not reported and not answer.first.is_complete:
+        reported = answer.first.prompt_tokens
     return int(reported) or len(answer.prepared.input_ids)
 
 
@@ -311,15 +310,14 @@ def _message_id(answer: EngineAnswer) -> str:
 async def message_body(answer: EngineAnswer, tokenizer: BundleTokenizer, stops: list[str]) -> dict[str, Any]:
     """The ``message`` object of a non-streamed answer (vLLM ``messages_full_converter``)."""
     output: list[int] = []
-    resp: vllm_engine_pb2.GenerateResponse | None = answer.first
-    while resp is not None and resp.WhichOneof("response") != "complete":
-        if resp.WhichOneof("response") == "chunk":
-            output.extend(resp.chunk.token_ids)
-        resp = await anext(answer.rest, None)
-    if resp is None:
+    event: EngineEvent | None = answer.first
+    while event is not None and not event.is_complete:
+        output.extend(event.token_ids)
+        event = await anext(answer.rest, None)
+    if event is None:
         raise GatewayError(ErrorCode.ENGINE_ERROR, "engine stream ended without a completion")
-    complete = resp.complete
-    output = output or list(complete.output_ids)
+    complete = event
+    output = output or list(complete.token_ids)
     text = tokenizer.decode(output)
     reason, stop_sequence, keep = _stop_reason(complete, text, stops)
     metrics.COMPLETION_TOKENS.inc(len(output))
@@ -368,29 +366,27 @@ async def message_events(answer: EngineAnswer, tokenizer: BundleTokenizer, stops
         yield _event("content_block_start", {"type": "content_block_start", "index": 0,
                                              "content_block": {"type": "text", "text": ""}})
         yield _event("ping", {"type": "ping"})
-        resp: vllm_engine_pb2.GenerateResponse | None = answer.first
-        while resp is not None:
-            kind = resp.WhichOneof("response")
-            if kind == "chunk" or (kind == "complete" and count == 0):
-                ids = resp.chunk.token_ids if kind == "chunk" else resp.complete.output_ids
-                for tok in ids:
+        event: EngineEvent | None = answer.first
+        while event is not None:
+            if not event.is_complete or count == 0:
+                for tok in event.token_ids:
                     count += 1
                     text += decoder.step(tokenizer.tokenizer, tok) or ""
-            if kind == "complete":
-                reason, stop_sequence, keep = _stop_reason(resp.complete, text, stops)
+            if event.is_complete:
+                reason, stop_sequence, keep = _stop_reason(event, text, stops)
                 if keep > sent:
                     yield _text_delta(text[sent:keep])
                 yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
                 yield _event("message_delta", {
                     "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": stop_sequence},
-                    "usage": {"input_tokens": _prompt_tokens(answer, resp.complete), "output_tokens": count}})
+                    "usage": {"input_tokens": _prompt_tokens(answer, event), "output_tokens": count}})
                 yield _event("message_stop", {"type": "message_stop"})
                 break
             safe = _safe_end(text, sent, hold, stops)
             if safe > sent:
                 yield _text_delta(text[sent:safe])
                 sent = safe
-            resp = await anext(answer.rest, None)
+            event = await anext(answer.rest, None)
         else:
             raise GatewayError(ErrorCode.ENGINE_ERROR, "engine stream ended without a completion")
         metrics.COMPLETION_TOKENS.inc(count)
@@ -425,7 +421,11 @@ def register_anthropic(app: FastAPI, state: GatewayState, body_limit: int) -> No
     The ``anthropic-version`` and ``x-api-key`` headers are accepted and ignored.  Every failure,
     unexpected ones included (500 ``api_error``, logged), is answered in Anthropic's error shape.
     """
-    from mmgate.api.app import error_response, parse_off_loop, request_body  # app.py imports this module
+    from mmgate.api.app import (  # app.py imports this module
+        error_response,
+        parse_off_loop,
+        request_body,
+    )
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:

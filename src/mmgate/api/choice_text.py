@@ -1,9 +1,9 @@
 """The text and logprobs of one chat choice, built token by token from the engine's ids.
 
 Stage: api (response rendering).  In: the token ids of one choice as the engine
-streams them (``GenerateStreamChunk.token_ids`` / ``GenerateComplete.output_ids``),
-their ``OutputLogProbs`` when requested, then the choice's ``GenerateComplete``;
-out: text deltas safe to send, the whole text, and OpenAI ``logprobs.content``
+streams them (the ``token_ids`` of its :class:`~mmgate.engines.base.EngineEvent` values),
+their :class:`~mmgate.engines.base.Logprobs` when requested, then the choice's ``complete``
+event; out: text deltas safe to send, the whole text, and OpenAI ``logprobs.content``
 entries.
 
 Mirrors vLLM's detokenizer (``vllm/v1/engine/detokenizer.py``, v0.11), which the
@@ -32,10 +32,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from smg_grpc_proto.generated import vllm_engine_pb2
 from tokenizers.decoders import DecodeStream
 
 from mmgate.chat.tokenizer import BundleTokenizer
+from mmgate.engines.base import EngineEvent, Logprobs
 from mmgate.types import SamplingParams
 
 #: vLLM's floor for a logprob in a chat response (``-inf`` is not JSON)
@@ -93,7 +93,7 @@ class ChoiceText:
         self.tokens = 0  # every generated token, a final stop token included
         self.logprobs: list[dict[str, Any]] | None = [] if sampling.logprobs is not None else None
 
-    def add(self, ids: list[int] | tuple[int, ...], wire: vllm_engine_pb2.OutputLogProbs | None = None) -> str:
+    def add(self, ids: list[int] | tuple[int, ...], wire: Logprobs | None = None) -> str:
         """Take the next tokens (and their logprobs); the text now safe to send."""
         for token in ids:
             self.tokens += 1
@@ -108,14 +108,14 @@ class ChoiceText:
             self._add_logprobs(wire)
         return self._take(finished=False)
 
-    def finish(self, complete: vllm_engine_pb2.GenerateComplete) -> str:
-        """The choice ended: settle a held stop token; the rest of the text."""
+    def finish(self, complete: EngineEvent) -> str:
+        """The choice ended (its ``complete`` event): settle a held stop token; the rest of the text."""
         if self._held is not None:
             # vLLM drops the last token whenever the engine stopped on a token (``stop_terminated``);
             # the SMG servicer leaves ``matched_stop`` empty for EOS, so a plain "stop" counts too.
-            matched = complete.WhichOneof("matched_stop")
-            ended_on_it = (matched == "matched_token_id" and complete.matched_token_id == self._held) or (
-                matched is None and complete.finish_reason == "stop")
+            unmatched = complete.matched_token_id is None and complete.matched_stop_str is None
+            ended_on_it = complete.matched_token_id == self._held or (
+                unmatched and complete.finish_reason == "stop")
             if self._include or not ended_on_it:
                 self._decode(self._held)
             self._held = None
@@ -160,7 +160,7 @@ class ChoiceText:
         return {"token": piece, "logprob": max(logprob, LOGPROB_FLOOR),
                 "bytes": list(piece.encode("utf-8", errors="replace"))}
 
-    def _add_logprobs(self, wire: vllm_engine_pb2.OutputLogProbs) -> None:
+    def _add_logprobs(self, wire: Logprobs) -> None:
         assert self.logprobs is not None
         for i, (token, logprob) in enumerate(zip(wire.token_ids, wire.token_logprobs, strict=False)):
             entry = self._entry(token, logprob)

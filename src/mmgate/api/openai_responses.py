@@ -56,10 +56,9 @@ from mmgate.api.responses import EngineStreamingResponse
 from mmgate.errors import ErrorCode, GatewayError
 
 if TYPE_CHECKING:
-    from smg_grpc_proto.generated import vllm_engine_pb2
-
     from mmgate.api.app import GatewayState
     from mmgate.chat.tokenizer import BundleTokenizer
+    from mmgate.engines.base import EngineEvent
 
 
 # ---- request shapes --------------------------------------------------------------------------
@@ -329,7 +328,7 @@ class _Render:
         }
 
 
-def _status(complete: vllm_engine_pb2.GenerateComplete) -> str:
+def _status(complete: EngineEvent) -> str:
     """``completed``, or ``incomplete`` when the token limit cut the answer.
 
     Raises:
@@ -340,7 +339,7 @@ def _status(complete: vllm_engine_pb2.GenerateComplete) -> str:
     return "incomplete" if complete.finish_reason == "length" else "completed"
 
 
-def _usage(answer: EngineAnswer, complete: vllm_engine_pb2.GenerateComplete, output_tokens: int) -> dict[str, Any]:
+def _usage(answer: EngineAnswer, complete: EngineEvent, output_tokens: int) -> dict[str, Any]:
     """openai-python ``ResponseUsage``; input tokens as the chat endpoint's ``prompt_tokens``."""
     input_tokens = int(complete.prompt_tokens) or len(answer.prepared.input_ids)
     return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0},
@@ -349,23 +348,22 @@ def _usage(answer: EngineAnswer, complete: vllm_engine_pb2.GenerateComplete, out
 
 
 async def _text_steps(answer: EngineAnswer, text: ChoiceText,
-                      ) -> AsyncIterator[tuple[str, vllm_engine_pb2.GenerateComplete | None]]:
-    """``(text delta, None)`` per engine chunk, then ``(last delta, the GenerateComplete)``; the text is
+                      ) -> AsyncIterator[tuple[str, EngineEvent | None]]:
+    """``(text delta, None)`` per engine chunk, then ``(last delta, the complete event)``; the text is
     detokenized as the chat endpoint's (:class:`mmgate.api.choice_text.ChoiceText`).
 
     Raises:
         GatewayError(ENGINE_ERROR): the engine's stream ended without a completion.
     """
-    resp: vllm_engine_pb2.GenerateResponse | None = answer.first
-    while resp is not None:
-        kind = resp.WhichOneof("response")
-        if kind == "chunk":
-            yield text.add(resp.chunk.token_ids), None
-        elif kind == "complete":
-            delta = text.add(resp.complete.output_ids) if text.tokens == 0 else ""  # not streamed: ids here
-            yield delta + text.finish(resp.complete), resp.complete
+    event: EngineEvent | None = answer.first
+    while event is not None:
+        if not event.is_complete:
+            yield text.add(event.token_ids), None
+        else:
+            delta = text.add(event.token_ids) if text.tokens == 0 else ""  # not streamed: ids here
+            yield delta + text.finish(event), event
             return
-        resp = await anext(answer.rest, None)
+        event = await anext(answer.rest, None)
     raise GatewayError(ErrorCode.ENGINE_ERROR, "engine stream ended without a completion")
 
 

@@ -1,19 +1,20 @@
 """OpenAI chat-completion response bodies, streamed (SSE) and whole.
 
-In: the prepared request, the engine's ``GenerateResponse`` stream (its first
-message already received, so engine refusals surface as HTTP errors before any
-byte of the stream is sent); out: ``chat.completion`` JSON or
+In: the prepared request, the engine's answer as neutral events
+(:class:`~mmgate.engines.base.EngineEvent`, whatever the wire; the first one
+already received, so engine refusals surface as HTTP errors before any byte of
+the stream is sent); out: ``chat.completion`` JSON or
 ``chat.completion.chunk`` SSE events ending with ``data: [DONE]``.
 
-``usage.prompt_tokens`` is the engine's own count (``GenerateComplete.prompt_tokens``,
+``usage.prompt_tokens`` is the engine's own count (the ``complete`` event's ``prompt_tokens``,
 taken after expansion), else the length of the expanded ``input_ids``: with
 worker-side media processing only the engine knows the expanded length.
 Streaming text is detokenized incrementally with ``tokenizers``'
 ``DecodeStream`` (no re-decoding of the whole output per token), stop strings,
 stop tokens and logprobs as vLLM's detokenizer and chat server treat them
-(:mod:`mmgate.api.choice_text`).  ``n`` choices: the engine's messages carry
+(:mod:`mmgate.api.choice_text`).  ``n`` choices: the engine's events carry
 each choice's ``index``; the answer is complete once every choice has its
-``GenerateComplete``; ``usage.completion_tokens`` sums the choices.
+``complete`` event; ``usage.completion_tokens`` sums the choices.
 """
 
 from __future__ import annotations
@@ -24,27 +25,27 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from smg_grpc_proto.generated import vllm_engine_pb2
 
 from mmgate import metrics
 from mmgate.api.choice_text import ChoiceText
 from mmgate.api.output_parsing import PLAIN, OutputParsing
 from mmgate.api.structured import ToolMode
 from mmgate.chat.tokenizer import BundleTokenizer
+from mmgate.engines.base import EngineEvent
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.types import PreparedRequest
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop", "": "stop"}
 
 
-def _finish_reason(complete: vllm_engine_pb2.GenerateComplete) -> str:
+def _finish_reason(complete: EngineEvent) -> str:
     reason = complete.finish_reason
     if reason == "error":
         raise GatewayError(ErrorCode.ENGINE_ERROR, "engine reported an error finishing the request")
     return _FINISH.get(reason, reason)
 
 
-def _prompt_tokens(prepared: PreparedRequest, complete: vllm_engine_pb2.GenerateComplete) -> int:
+def _prompt_tokens(prepared: PreparedRequest, complete: EngineEvent) -> int:
     """The engine's count of the expanded prompt; our own when the engine reports none."""
     return int(complete.prompt_tokens) or len(prepared.input_ids)
 
@@ -58,45 +59,41 @@ def _choice_count(prepared: PreparedRequest) -> int:
     return max(prepared.sampling.n, 1)
 
 
-async def _responses(first: vllm_engine_pb2.GenerateResponse,
-                     rest: AsyncIterator[vllm_engine_pb2.GenerateResponse], n: int,
-                     ) -> AsyncIterator[vllm_engine_pb2.GenerateResponse]:
-    """The engine's responses until every one of the ``n`` choices has its ``GenerateComplete``.
+async def _events(first: EngineEvent, rest: AsyncIterator[EngineEvent], n: int) -> AsyncIterator[EngineEvent]:
+    """The engine's events until every one of the ``n`` choices has its ``complete`` event.
 
     Raises:
         GatewayError(ENGINE_ERROR): the stream ended first.
     """
     done: set[int] = set()
-    resp: vllm_engine_pb2.GenerateResponse | None = first
-    while resp is not None:
-        yield resp
-        if resp.WhichOneof("response") == "complete":
-            done.add(resp.complete.index)
+    event: EngineEvent | None = first
+    while event is not None:
+        yield event
+        if event.is_complete:
+            done.add(event.index)
             if len(done) >= n:
                 return
-        resp = await anext(rest, None)
+        event = await anext(rest, None)
     raise GatewayError(ErrorCode.ENGINE_ERROR, "engine stream ended without a completion")
 
 
-async def completion_body(prepared: PreparedRequest, first: vllm_engine_pb2.GenerateResponse,
-                          rest: AsyncIterator[vllm_engine_pb2.GenerateResponse],
+async def completion_body(prepared: PreparedRequest, first: EngineEvent, rest: AsyncIterator[EngineEvent],
                           tokenizer: BundleTokenizer, parsing: OutputParsing = PLAIN) -> dict[str, Any]:
     """The ``chat.completion`` object of a non-streamed request: ``n`` choices, ``usage`` summed over
     them (vLLM ``OpenAIServingChat.chat_completion_full_generator``).  ``parsing``: reasoning and
     tool-call parsing of each choice's text (:mod:`mmgate.api.output_parsing`)."""
     n = _choice_count(prepared)
     texts = [ChoiceText(tokenizer, prepared.sampling) for _ in range(n)]
-    completes: dict[int, vllm_engine_pb2.GenerateComplete] = {}
-    async for resp in _responses(first, rest, n):
-        if resp.WhichOneof("response") == "chunk":
-            texts[_index(resp.chunk.index, n)].add(resp.chunk.token_ids, _logprobs_of(resp.chunk))
+    completes: dict[int, EngineEvent] = {}
+    async for event in _events(first, rest, n):
+        choice = texts[_index(event.index, n)]
+        if not event.is_complete:
+            choice.add(event.token_ids, event.logprobs)
             continue
-        complete = resp.complete
-        choice = texts[_index(complete.index, n)]
         if choice.tokens == 0:  # not streamed: the ids and logprobs are on the completion
-            choice.add(complete.output_ids, _logprobs_of(complete))
-        choice.finish(complete)
-        completes[_index(complete.index, n)] = complete
+            choice.add(event.token_ids, event.logprobs)
+        choice.finish(event)
+        completes[event.index] = event
     completion_tokens = sum(t.tokens for t in texts)
     metrics.COMPLETION_TOKENS.inc(completion_tokens)
     choices = []
@@ -126,24 +123,19 @@ def _index(index: int, n: int) -> int:
     return index
 
 
-def _logprobs_of(msg: vllm_engine_pb2.GenerateStreamChunk | vllm_engine_pb2.GenerateComplete,
-                 ) -> vllm_engine_pb2.OutputLogProbs | None:
-    return msg.output_logprobs if msg.HasField("output_logprobs") else None
-
-
 def _event(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def sse_stream(prepared: PreparedRequest, first: vllm_engine_pb2.GenerateResponse,
-                     rest: AsyncIterator[vllm_engine_pb2.GenerateResponse], tokenizer: BundleTokenizer,
+async def sse_stream(prepared: PreparedRequest, first: EngineEvent,
+                     rest: AsyncIterator[EngineEvent], tokenizer: BundleTokenizer,
                      include_usage: bool, release: Callable[[], None],
                      parsing: OutputParsing = PLAIN) -> AsyncIterator[bytes]:
     """``chat.completion.chunk`` events; an engine failure mid-stream becomes an ``error`` event.
 
     As vLLM ``OpenAIServingChat.chat_completion_stream_generator``: a role chunk per choice first,
     then content chunks carrying their choice's ``index`` (and ``logprobs`` when asked for), a
-    finish chunk per choice when its engine ``GenerateComplete`` arrives, and with
+    finish chunk per choice when its engine ``complete`` event arrives, and with
     ``include_usage`` a last chunk with ``usage`` summed over the choices.
     """
     created = int(time.time())
@@ -160,25 +152,23 @@ async def sse_stream(prepared: PreparedRequest, first: vllm_engine_pb2.GenerateR
     try:
         for i in range(n):
             yield chunk(i, {"role": "assistant", "content": ""}, None, None)
-        async for resp in _responses(first, rest, n):
-            kind = resp.WhichOneof("response")
-            msg = resp.chunk if kind == "chunk" else resp.complete
-            i = _index(msg.index, n)
+        async for event in _events(first, rest, n):
+            i = _index(event.index, n)
             choice = texts[i]
-            if kind == "chunk":
-                piece = choice.add(resp.chunk.token_ids, _logprobs_of(resp.chunk))
+            if not event.is_complete:
+                piece = choice.add(event.token_ids, event.logprobs)
             else:
-                piece = choice.add(resp.complete.output_ids, _logprobs_of(resp.complete)) if choice.tokens == 0 else ""
-                piece += choice.finish(resp.complete)
+                piece = choice.add(event.token_ids, event.logprobs) if choice.tokens == 0 else ""
+                piece += choice.finish(event)
             logprobs = choice.take_logprobs()
             delta = outputs[i].feed(piece) if piece else {}
             if delta or (logprobs is not None and logprobs["content"]):
                 yield chunk(i, delta or {"content": ""}, logprobs, None)
-            if kind == "complete":
-                prompt_tokens = _prompt_tokens(prepared, resp.complete)
+            if event.is_complete:
+                prompt_tokens = _prompt_tokens(prepared, event)
                 if held := outputs[i].flush():
                     yield chunk(i, held, None, None)
-                yield chunk(i, {}, None, _tool_finish(_finish_reason(resp.complete), outputs[i].called, parsing))
+                yield chunk(i, {}, None, _tool_finish(_finish_reason(event), outputs[i].called, parsing))
         count = sum(t.tokens for t in texts)
         if include_usage:
             yield _event({**base, "choices": [], "usage": _usage(prompt_tokens, count)})
@@ -222,7 +212,7 @@ class EngineStreamingResponse(StreamingResponse):
 
 
 async def respond(prepared: PreparedRequest, stream: bool, include_usage: bool,
-                  first: vllm_engine_pb2.GenerateResponse, rest: AsyncGenerator[vllm_engine_pb2.GenerateResponse, None],
+                  first: EngineEvent, rest: AsyncGenerator[EngineEvent, None],
                   tokenizer: BundleTokenizer, release: Callable[[], None], headers: dict[str, str],
                   parsing: OutputParsing = PLAIN) -> Response:
     """The HTTP response of a request whose engine has answered once: SSE or one JSON body.

@@ -10,10 +10,12 @@ Nothing is fetched here.  The engine message carries the *unexpanded* prompt
 expands.  Refusals before sending: every planning refusal, the anchor count,
 ``media_ref_too_large`` (an inline ``data:`` URL above its modality's cap),
 ``no_healthy_worker`` (no capable worker, 503) and
-``unsupported_media_url_scheme`` (a scheme the worker does not fetch).  A
-media error the worker reports comes back with its own code and status
-(``engines.vllm.parse_carried_error``) and the content part it concerns as
-``param``.  ``usage.prompt_tokens`` is the engine's count after expansion.
+``unsupported_media_url_scheme`` (a scheme the worker does not fetch).  The
+message is the worker's wire adapter's (``encode_media_refs``; vLLM's
+``GenerateRequest.media_refs``).  A media error the worker reports comes back
+with its own code and status (``engines.rpc_errors.parse_carried_error``) and
+the content part it concerns as ``param``.  ``usage.prompt_tokens`` is the
+engine's count after expansion.
 """
 
 from __future__ import annotations
@@ -26,9 +28,12 @@ from typing import TYPE_CHECKING
 from mmgate import metrics, timing_log
 from mmgate.api.answer import EngineAnswer
 from mmgate.api.protocol import ChatCompletionRequest
-from mmgate.engines.vllm import build_media_ref_request
-from mmgate.errors import GatewayError
-from mmgate.routing.mm_processing import check_anchor_counts, check_ref_sizes, select_processing_worker
+from mmgate.errors import ErrorCode, GatewayError
+from mmgate.routing.mm_processing import (
+    check_anchor_counts,
+    check_ref_sizes,
+    select_processing_worker,
+)
 from mmgate.types import MediaRef, Modality, PreparedRequest
 
 if TYPE_CHECKING:
@@ -62,12 +67,15 @@ async def forward_media_refs(state: GatewayState, req: ChatCompletionRequest, re
     prepared = PreparedRequest(
         request_id=request_id or f"chatcmpl-{uuid.uuid4().hex}", model=state.runtime.served_name, prompt_text=prompt,
         input_ids=tuple(ids), batches=(), sampling=sampling, stream=req.stream, timings_ms=timings)
+    adapter = worker.adapter
+    if adapter is None:
+        raise GatewayError(ErrorCode.NO_HEALTHY_WORKER, "no healthy worker of this model processes media references")
     with metrics.stage("assemble", timings):
-        msg = build_media_ref_request(prepared, refs)
+        encoded = adapter.encode_media_refs(prepared, refs)
     release = worker.hold()
 
     assert worker.client is not None
-    responses = worker.client.generate(msg)
+    responses = worker.client.generate(encoded)
     try:
         start = time.perf_counter()
         first = await anext(responses)
@@ -80,8 +88,7 @@ async def forward_media_refs(state: GatewayState, req: ChatCompletionRequest, re
         release()
         await responses.aclose()
         raise
-    kind = first.WhichOneof("response")
-    prompt_tokens = first.chunk.prompt_tokens if kind == "chunk" else first.complete.prompt_tokens
+    prompt_tokens = first.prompt_tokens
     metrics.PROMPT_TOKENS.inc(prompt_tokens)
     counts = timing_log.MediaCounts(*(sum(1 for r in refs if r.modality is m)
                                       for m in (Modality.IMAGE, Modality.VIDEO, Modality.AUDIO)))

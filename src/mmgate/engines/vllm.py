@@ -2,9 +2,10 @@
 
 Stage: assemble + transport.  In: a :class:`~mmgate.types.PreparedRequest`
 after worker selection; out: the ``GenerateRequest`` (a message, or its bytes
-with pending pixels placed in their buffer: :func:`encode_generate_request`).
-The client that sends it is :mod:`mmgate.engines.vllm_client`.  Engine field
-names appear only in these two modules.
+with pending pixels placed in their buffer: :func:`encode_generate_request`);
+back: each ``GenerateResponse`` as neutral :class:`~mmgate.engines.base.EngineEvent`
+values (:func:`events`).  The wire's adapter (:class:`mmgate.engines.adapter.VllmAdapter`)
+plugs these into the engine seam; the one client (:mod:`mmgate.engines.client`) sends them.
 
 The message layout mirrors what the SMG servicer reads
 (``smg_grpc_servicer/vllm/servicer.py`` ``_build_preprocessed_mm_inputs``,
@@ -13,36 +14,43 @@ modalities in ``extra_mm_inputs``; the primary encoder tensor in
 ``pixel_values``, the others in ``model_specific_tensors``; field layouts in
 ``batched_keys`` / ``flat_keys`` / ``keep_on_cpu_keys``.
 
-gRPC status -> error code: RESOURCE_EXHAUSTED for a message over the channel's
-size limit (the caller's payload) -> ``multimodal_payload_too_large`` (413, not
-retryable); UNAVAILABLE / DEADLINE_EXCEEDED / other RESOURCE_EXHAUSTED
--> ``engine_unavailable`` (503, retryable); INVALID_ARGUMENT /
-FAILED_PRECONDITION / OUT_OF_RANGE -> ``engine_rejected`` (400, with the
-engine's message, e.g. the model's placeholder/feature mismatch), or
-``context_length_exceeded`` (400) when the message is vLLM's over-long prompt refusal; anything
-else -> ``engine_error`` (502).  An mmgate code the engine carries in the
-details (``[code=media_fetch_timeout item=0] ...``, worker-side media
-processing) wins when it agrees with the status (:func:`parse_carried_error`).
+RPC failures map to the error table as :mod:`mmgate.engines.rpc_errors` says (the same for
+every wire; its names are re-exported here for the reference engine).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
 
 from mmgate import metrics, timing_log
-from mmgate.errors import ERROR_TABLE, ErrorCode, GatewayError
+from mmgate.engines.base import EncodedRequest, EngineEvent, Logprobs, TopLogprobs
+from mmgate.engines.rpc_errors import (
+    carried_error_details,
+    map_rpc_error,
+    parse_carried_error,
+)
+from mmgate.errors import ErrorCode, GatewayError
 from mmgate.transport import shm
-from mmgate.transport.dtypes import EncoderDtype, convert_encoder_input, to_bfloat16_bits, to_float16
+from mmgate.transport.dtypes import (
+    EncoderDtype,
+    convert_encoder_input,
+    to_bfloat16_bits,
+    to_float16,
+)
 from mmgate.transport.inline import to_tensor_data, wire_dtype_name
-from mmgate.transport.placement import BufferTarget, Convert, ShmTarget, identity, new_bytes
+from mmgate.transport.placement import (
+    BufferTarget,
+    Convert,
+    ShmTarget,
+    identity,
+    new_bytes,
+)
 from mmgate.transport.policy import INLINE_FLOAT32, WirePlan
 from mmgate.transport.shm import ShmLease
 from mmgate.types import (
@@ -58,81 +66,13 @@ from mmgate.types import (
 )
 
 ENGINE = "vllm"
+__all__ = ["ENGINE", "EncodedRequest", "build_generate_request", "build_media_ref_request", "build_mm_inputs",
+           "carried_error_details", "encode_generate_request", "events", "map_rpc_error", "parse_carried_error",
+           "sampling_message"]
 #: the wire field of the encoder input; a family whose encoder input has another name sends it
 #: here too and names it in ``encoder_input_key`` (``smg_grpc_servicer/vllm/mm_keys.py``)
 DEFAULT_PRIMARY_KEY = "pixel_values"
 _MODALITY = {Modality.IMAGE: common_pb2.IMAGE, Modality.VIDEO: common_pb2.VIDEO, Modality.AUDIO: common_pb2.AUDIO}
-_UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                grpc.StatusCode.CANCELLED}
-_REJECTED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE}
-_ERROR_CODES = frozenset(c.value for c in ErrorCode)
-#: gRPC core's RESOURCE_EXHAUSTED details for a message over max_send/max_receive_message_length
-#: ("Sent message larger than max (N vs. M)", "Received message larger than max (N vs. M)")
-_MESSAGE_TOO_LARGE = re.compile(r"message larger than max", re.I)
-
-
-#: vLLM's refusals of an over-long prompt (``entrypoints/openai/serving_engine.py`` "This model's maximum
-#: context length is ..."; ``v1/engine/processor.py`` "... is longer than the maximum model length of ...")
-_CONTEXT_TOO_LONG = re.compile(r"maximum context length|longer than the maximum model length|max_model_len", re.I)
-_CARRIED = re.compile(r"\A\[code=([a-z0-9_]+)(?: item=(\d+))?\] ?(.*)\Z", re.S)
-
-
-def carried_error_details(code: ErrorCode, message: str, item: int | None = None) -> str:
-    """RPC details that carry an mmgate error code from an engine to the gateway.
-
-    Worker-side media processing (``media_refs``) ends a failed request with
-    INVALID_ARGUMENT (the caller's mistake) or UNAVAILABLE (a transient fault)
-    and these details, e.g. ``[code=media_fetch_timeout item=1] media fetch
-    timed out``: ``item`` is the index into ``media_refs``.
-    """
-    where = f" item={item}" if item is not None else ""
-    return f"[code={code.value}{where}] {message}"
-
-
-def parse_carried_error(status: grpc.StatusCode, details: str) -> GatewayError | None:
-    """The :class:`GatewayError` carried in ``details`` (see :func:`carried_error_details`), or None.
-
-    The code is taken only when the status agrees with it (a 4xx code with
-    INVALID_ARGUMENT, a retryable code with UNAVAILABLE); the item index
-    becomes ``param = "media_refs[i]"``, which the forwarding path maps back
-    to the content part.
-    """
-    match = _CARRIED.match(details)
-    if match is None or match.group(1) not in _ERROR_CODES:
-        return None
-    code = ErrorCode(match.group(1))
-    spec = ERROR_TABLE[code]
-    agrees = (status in _REJECTED and spec.status < 500) or (status in _UNAVAILABLE and spec.retryable)
-    if not agrees:
-        return None
-    param = f"media_refs[{match.group(2)}]" if match.group(2) is not None else None
-    return GatewayError(code, match.group(3)[:500], param)
-
-
-def map_rpc_error(exc: grpc.aio.AioRpcError | grpc.RpcError) -> GatewayError:
-    """The stable error for a failed RPC (details kept, they come from the engine, not the caller).
-
-    An mmgate code carried in the details (:func:`parse_carried_error`) wins;
-    otherwise the status decides as the module docstring says.
-    """
-    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    details = (exc.details() if hasattr(exc, "details") else "") or ""
-    carried = parse_carried_error(code, details)
-    if carried is not None:
-        return carried
-    if code is grpc.StatusCode.RESOURCE_EXHAUSTED and _MESSAGE_TOO_LARGE.search(details):
-        return GatewayError(ErrorCode.MULTIMODAL_PAYLOAD_TOO_LARGE,
-                            "the request's encoder input exceeds the gRPC message limit of the engine channel")
-    if code in _UNAVAILABLE:
-        return GatewayError(ErrorCode.ENGINE_UNAVAILABLE, f"engine unavailable ({code.name})")
-    if code in _REJECTED:
-        if _CONTEXT_TOO_LONG.search(details):
-            return GatewayError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                                "the prompt and max_tokens do not fit the engine's context length", "messages")
-        return GatewayError(ErrorCode.ENGINE_REJECTED, f"engine rejected the request: {details[:500]}")
-    return GatewayError(ErrorCode.ENGINE_ERROR, f"engine error ({code.name}): {details[:300]}")
-
-
 def _sent(name: str, path: str, nbytes: int) -> None:
     """Count one tensor placed for the engine (``smg_mm_tensors_total{runtime,path}`` and bytes) and report
     it to the request's ``--log-mm-timing`` record."""
@@ -259,7 +199,7 @@ def sampling_message(s: SamplingParams) -> vllm_engine_pb2.SamplingParams:
     Raises:
         GatewayError(INVALID_REQUEST): an integer field outside its wire range.
     """
-    top_k = 0 if s.top_k < 0 else s.top_k
+    top_k = max(s.top_k, 0)
     for name, value in (("max_tokens", s.max_tokens), ("top_k", top_k), ("seed", s.seed)):
         low, high = _WIRE_INT_RANGES[name]
         if value is not None and not low <= value <= high:
@@ -378,21 +318,6 @@ def _inline_record_prefix(nbytes: int) -> bytes:
     return b"".join((_TAG_MM_INPUTS, _varint(l3), _TAG_PIXEL_VALUES, _varint(l2), _TAG_INLINE, _varint(nbytes)))
 
 
-@dataclass(frozen=True, slots=True)
-class EncodedRequest:
-    """A serialized ``GenerateRequest``; ``await fill()`` computes its pending tensors in place.
-
-    ``data`` is complete once ``fill`` has returned (at once when ``pending`` is empty).
-    """
-
-    data: bytes
-    pending: tuple[tuple[PendingTensor, RowTarget], ...] = ()
-
-    async def fill(self) -> None:
-        for tensor, target in self.pending:
-            await tensor.fill(target)
-
-
 def encode_generate_request(req: PreparedRequest, wire: WirePlan = INLINE_FLOAT32,
                             lease: ShmLease | None = None) -> EncodedRequest:
     """The serialized ``GenerateRequest``, with the large inline tensor written exactly once.
@@ -437,3 +362,38 @@ def build_media_ref_request(req: PreparedRequest, refs: Sequence[MediaRef]) -> v
     msg = build_generate_request(req)
     msg.media_refs.items.extend(vllm_engine_pb2.MediaRef(modality=_MODALITY[r.modality], url=r.url) for r in refs)
     return msg
+
+
+def _logprobs(msg: vllm_engine_pb2.GenerateStreamChunk | vllm_engine_pb2.GenerateComplete) -> Logprobs | None:
+    """``output_logprobs`` (``OutputLogProbs``: per position its token, log probability and top k), or None."""
+    if not msg.HasField("output_logprobs"):
+        return None
+    wire = msg.output_logprobs
+    return Logprobs(token_ids=tuple(wire.token_ids), token_logprobs=tuple(wire.token_logprobs),
+                    top_logprobs=tuple(TopLogprobs(tuple(t.token_ids), tuple(t.values)) for t in wire.top_logprobs))
+
+
+def events(resp: vllm_engine_pb2.GenerateResponse) -> list[EngineEvent]:
+    """One ``GenerateResponse`` (``vllm_engine.proto``: a ``chunk`` or a ``complete`` of choice ``index``) as
+    engine events: none for an empty response, else one.
+
+    ``complete``: ``output_ids``, ``finish_reason``, the ``matched_stop`` oneof (unset for EOS: the
+    servicer leaves it empty), the counts, and ``kv_transfer_params_json`` when a prefill leg sets it.
+    """
+    kind = resp.WhichOneof("response")
+    if kind == "chunk":
+        c = resp.chunk
+        return [EngineEvent(kind="chunk", index=c.index, token_ids=tuple(c.token_ids), prompt_tokens=c.prompt_tokens,
+                            completion_tokens=c.completion_tokens, cached_tokens=c.cached_tokens,
+                            logprobs=_logprobs(c))]
+    if kind != "complete":
+        return []
+    d = resp.complete
+    matched = d.WhichOneof("matched_stop")
+    return [EngineEvent(
+        kind="complete", index=d.index, token_ids=tuple(d.output_ids), prompt_tokens=d.prompt_tokens,
+        completion_tokens=d.completion_tokens, cached_tokens=d.cached_tokens, logprobs=_logprobs(d),
+        finish_reason=d.finish_reason,
+        matched_token_id=d.matched_token_id if matched == "matched_token_id" else None,
+        matched_stop_str=d.matched_stop_str if matched == "matched_stop_str" else None,
+        kv_transfer_params=d.kv_transfer_params_json if d.HasField("kv_transfer_params_json") else None)]

@@ -4,6 +4,13 @@ Stage: engine start-up.  In: ``argv`` of ``mmgate engine`` /
 ``python -m mmgate.refengine``; out: a frozen :class:`EngineConfig` that is
 passed down explicitly.  No other module of the engine reads the command line
 or the environment.
+
+``--wire vllm|sglang|tokenspeed`` picks the gRPC service the engine serves and
+``--role single|prefill|decode|encode`` its part in a disaggregated deployment
+(docs/refengine-roles.md); ``encode`` exists on the TokenSpeed wire only (its
+``TokenSpeedEncoder`` service).  A prefill or encode engine listens for its
+consumers on ``--bootstrap-port`` (the reference engine's own handoff,
+:mod:`mmgate.refengine.handoff`).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mmgate.engines.base import Role, Wire
 from mmgate.options import add_option, resolve
 from mmgate.refengine.mm_config import MmProcessorConfig, add_mm_arguments, mm_config
 from mmgate.settings import ENCODER_DTYPES
@@ -36,6 +44,11 @@ class EngineConfig:
     encoder_dtype: str = "float32"  # advertised multimodal_encoder_dtype label
     mm: MmProcessorConfig = field(default_factory=MmProcessorConfig)  # worker-side media processing
     record_dir: Path | None = None  # debug: write each request's final model inputs here (.npz)
+    wire: Wire = Wire.VLLM  # the gRPC service served
+    role: Role = Role.SINGLE  # single | prefill | decode | encode (TokenSpeed only)
+    bootstrap_port: int = 0  # a prefill / encode engine's handoff listener (0: the OS picks; reported)
+    handoff_timeout_s: float = 30.0  # an unclaimed KV / embedding is freed after this long
+    handoff_wait_s: float = 30.0  # a decode / EPD prefill waits this long for its room
 
     @property
     def model_name(self) -> str:
@@ -51,7 +64,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     """
     parser = argparse.ArgumentParser(
         prog="mmgate engine",
-        description="CPU reference engine: the vLLM gRPC engine service over a transformers model.",
+        description="CPU reference engine: the vLLM, SGLang or TokenSpeed gRPC engine service over a "
+                    "transformers model, as a single engine or one leg of a disaggregated deployment.",
     )
     g = parser.add_argument_group("engine")
     add_option(g, "--model", required=True, type=Path, metavar="DIR",
@@ -68,6 +82,19 @@ def build_arg_parser() -> argparse.ArgumentParser:
                help="advertised multimodal_encoder_dtype label (the gateway's auto converts float tensors to it)")
     add_option(g, "--record-dir", type=Path, default=None, metavar="DIR",
                help="debug: write each request's final input_ids and model tensors to DIR/<request_id>.npz")
+    d = parser.add_argument_group("disaggregation")
+    add_option(d, "--wire", choices=[w.value for w in Wire], default=Wire.VLLM.value,
+               help="the gRPC service served: vllm (VllmEngine), sglang (SglangScheduler), tokenspeed "
+                    "(TokenSpeedScheduler, and TokenSpeedEncoder for --role encode)")
+    add_option(d, "--role", choices=[r.value for r in Role], default=Role.SINGLE.value,
+               help="single engine, or one leg of a disaggregated pair: prefill, decode, encode (tokenspeed only)")
+    add_option(d, "--bootstrap-port", type=int, default=0, minimum=0,
+               help="port of a prefill / encode engine's handoff listener (0 picks a free port; "
+                    "GetServerInfo reports it)")
+    add_option(d, "--handoff-timeout", type=float, default=30.0, minimum=0.001,
+               help="seconds a prefill's KV or an encoder's embeddings wait for their consumer before they are freed")
+    add_option(d, "--handoff-wait", type=float, default=30.0, minimum=0.0,
+               help="seconds a decode or EPD prefill waits for its bootstrap room to be published")
     add_mm_arguments(parser)
     return parser
 
@@ -87,6 +114,8 @@ def parse_args(argv: list[str] | None, environ: Mapping[str, str] | None = None)
         parser.error("--max-tokens-default must be at least 1")
     if ns.num_threads < 1:
         parser.error("--num-threads must be at least 1")
+    if ns.role == Role.ENCODE.value and ns.wire != Wire.TOKENSPEED.value:
+        parser.error("--role encode exists on the tokenspeed wire only (its TokenSpeedEncoder service)")
     return EngineConfig(
         model=ns.model,
         host=ns.host,
@@ -99,4 +128,9 @@ def parse_args(argv: list[str] | None, environ: Mapping[str, str] | None = None)
         encoder_dtype=ns.multimodal_encoder_dtype,
         mm=mm_config(ns, parser, env),
         record_dir=ns.record_dir,
+        wire=Wire(ns.wire),
+        role=Role(ns.role),
+        bootstrap_port=ns.bootstrap_port,
+        handoff_timeout_s=ns.handoff_timeout,
+        handoff_wait_s=ns.handoff_wait,
     )

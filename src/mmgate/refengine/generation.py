@@ -28,6 +28,14 @@ seeded), on the float32 last-position logits.  A structured-output constraint
 masks the logits before the processors and ends the generation once its grammar
 is complete (:mod:`.constraints`).
 
+Disaggregated legs (:mod:`.kv_state` says what crosses between them): :func:`run_prefill` runs
+the prompt forward once and samples each choice's first token from its logits;
+:func:`run_decode` restores that KV cache and position state, takes the first token and steps
+exactly as :func:`run_generation` does after its own first token, so a prefill/decode pair
+computes the same numbers as a single engine.  An EPD prefill passes the encode leg's
+embeddings as ``mm_encoder_outputs`` (:class:`ModelInputs.encoder_outputs`), the model's own
+replacement for running its vision tower.
+
 Not thread-safe: Qwen-VL models keep per-request state (``rope_deltas``) on the
 module, so the engine runs one generation at a time per model.
 """
@@ -44,6 +52,15 @@ from transformers import DynamicCache
 
 from mmgate.refengine.bundle import LazyTokenizer, LoadedModel
 from mmgate.refengine.constraints import grammar_guide
+from mmgate.refengine.kv_state import (
+    FirstToken,
+    PrefillState,
+    clear_rope_state,
+    restore_cache,
+    rope_state,
+    set_rope_state,
+    snapshot_cache,
+)
 from mmgate.refengine.mm_inputs import ModelInputs
 from mmgate.refengine.sampler import TokenLogprobs, sample_next
 from mmgate.refengine.sampling import GenerationPlan
@@ -65,19 +82,6 @@ class GenerationResult:
     finish_reason: FinishReason
     matched_token_id: int | None  # the stop token that ended it
     matched_stop_str: str | None  # the stop string that ended it
-
-
-def clear_rope_state(model: torch.nn.Module) -> None:
-    """Forget the previous request's M-RoPE offsets.
-
-    transformers Qwen-VL models store ``rope_deltas`` at each multimodal
-    prefill and add them at every cached step; a text-only prefill leaves them
-    unchanged, so without this a text request after an image request would be
-    positioned with the image request's offset.
-    """
-    for module in model.modules():
-        if getattr(module, "rope_deltas", None) is not None:
-            setattr(module, "rope_deltas", None)  # noqa: B010 - any module type
 
 
 def _forward(loaded: LoadedModel, cache: DynamicCache, **kwargs: torch.Tensor | None) -> torch.Tensor:
@@ -106,6 +110,80 @@ class _StopStrings:
         return next((s for s in self._stop_strings if s in text), None)
 
 
+def _generator(plan: GenerationPlan) -> torch.Generator | None:
+    """The choice's own generator: only for seeded sampling (vLLM: a per-request generator)."""
+    return torch.Generator().manual_seed(plan.seed) if plan.do_sample and plan.seed is not None else None
+
+
+class _Choice:
+    """One choice's token loop: pick a token from logits, take it (emit, stop rules)."""
+
+    def __init__(self, loaded: LoadedModel, plan: GenerationPlan, prompt_ids: torch.Tensor,
+                 on_token: Callable[[int, TokenLogprobs | None], None], tokenizer: LazyTokenizer) -> None:
+        self.plan = plan
+        self.prompt_ids = prompt_ids
+        self.on_token = on_token
+        self.generator = _generator(plan)
+        self.stop_strings = _StopStrings(plan.stop_strings, tokenizer)
+        self.guide = grammar_guide(plan.constraint, tokenizer, loaded.facts.vocab_size, plan.stop_token_ids)
+        self.output: list[int] = []
+
+    def pick(self, logits: torch.Tensor) -> tuple[int, TokenLogprobs | None]:
+        """The next token from the last position's logits (changed in place)."""
+        if self.guide is not None:  # structured output: only the tokens the grammar allows
+            self.guide.mask(logits)
+        return sample_next(self.plan, logits, self.prompt_ids, self.output, self.generator)
+
+    def take(self, token: int, logprobs: TokenLogprobs | None) -> GenerationResult | None:
+        """Emit ``token``; the result when it ends the choice, else None."""
+        plan, output = self.plan, self.output
+        output.append(token)
+        self.on_token(token, logprobs)
+        if self.guide is not None:
+            self.guide.advance(token)
+            if self.guide.terminated:  # the grammar is complete (its stop token, when it has one, chosen)
+                matched_id = token if token in plan.stop_token_ids else None
+                return GenerationResult(tuple(output), FinishReason.STOP, matched_id, None)
+        ended = len(output) >= plan.min_new_tokens
+        if ended and token in plan.stop_token_ids:
+            return GenerationResult(tuple(output), FinishReason.STOP, token, None)
+        # vLLM checks stop strings only past min_tokens (v1/engine/detokenizer.py ``update``)
+        matched = self.stop_strings.match(output) if len(output) > plan.min_new_tokens else None
+        if matched is not None:
+            return GenerationResult(tuple(output), FinishReason.STOP, None, matched)
+        if len(output) >= plan.max_new_tokens:
+            return GenerationResult(tuple(output), FinishReason.LENGTH, None, None)
+        return None
+
+    def abort(self) -> GenerationResult:
+        return GenerationResult(tuple(self.output), FinishReason.ABORT, None, None)
+
+
+def _prefill(loaded: LoadedModel, inputs: ModelInputs) -> tuple[DynamicCache, torch.Tensor]:
+    """The prompt forward with the media (or their precomputed embeddings): (cache, last logits)."""
+    clear_rope_state(loaded.model)
+    cache = DynamicCache(config=loaded.model.config)
+    extra: dict[str, object] = {}
+    if inputs.encoder_outputs:
+        extra["mm_encoder_outputs"] = dict(inputs.encoder_outputs)
+    logits = _forward(loaded, cache, input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
+                      **inputs.mm_kwargs, **extra)  # type: ignore[arg-type]
+    return cache, logits
+
+
+def _steps(loaded: LoadedModel, cache: DynamicCache, choice: _Choice, token: int,
+           cancelled: threading.Event) -> GenerationResult:
+    """Cached one-token steps after ``token`` (already taken) until the choice ends."""
+    while True:
+        if cancelled.is_set():
+            return choice.abort()
+        logits = _forward(loaded, cache, input_ids=torch.tensor([[token]], dtype=torch.int64))
+        token, logprobs = choice.pick(logits)
+        end = choice.take(token, logprobs)
+        if end is not None:
+            return end
+
+
 def run_generation(
     loaded: LoadedModel,
     inputs: ModelInputs,
@@ -114,7 +192,7 @@ def run_generation(
     cancelled: threading.Event,
     tokenizer: LazyTokenizer,
 ) -> GenerationResult:
-    """Generate for one request.
+    """Generate for one request (a single engine: the prefill and every step here).
 
     Args:
         loaded: the model (call from the model thread only).
@@ -132,39 +210,73 @@ def run_generation(
     Raises:
         Whatever the model code raises (ValueError for inputs it refuses).
     """
+    choice = _Choice(loaded, plan, inputs.input_ids, on_token, tokenizer)
     if cancelled.is_set():  # aborted while queued
-        return GenerationResult((), FinishReason.ABORT, None, None)
-    clear_rope_state(loaded.model)
-    generator = torch.Generator().manual_seed(plan.seed) if plan.do_sample and plan.seed is not None else None
-    stop_strings = _StopStrings(plan.stop_strings, tokenizer)
-    guide = grammar_guide(plan.constraint, tokenizer, loaded.facts.vocab_size, plan.stop_token_ids)
-    cache = DynamicCache(config=loaded.model.config)
-    output: list[int] = []
+        return choice.abort()
     with torch.inference_mode():
-        logits = _forward(
-            loaded, cache, input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, **inputs.mm_kwargs
-        )
-        while True:
-            if guide is not None:  # structured output: only the tokens the grammar allows
-                guide.mask(logits)
-            token, logprobs = sample_next(plan, logits, inputs.input_ids, output, generator)
-            output.append(token)
-            on_token(token, logprobs)
-            if guide is not None:
-                guide.advance(token)
-                if guide.terminated:  # the grammar is complete (its stop token, when it has one, chosen)
-                    matched_id = token if token in plan.stop_token_ids else None
-                    return GenerationResult(tuple(output), FinishReason.STOP, matched_id, None)
-            ended = len(output) >= plan.min_new_tokens
-            if ended and token in plan.stop_token_ids:
-                return GenerationResult(tuple(output), FinishReason.STOP, token, None)
-            # vLLM checks stop strings only past min_tokens (v1/engine/detokenizer.py ``update``)
-            matched = stop_strings.match(output) if len(output) > plan.min_new_tokens else None
-            if matched is not None:
-                return GenerationResult(tuple(output), FinishReason.STOP, None, matched)
-            if len(output) >= plan.max_new_tokens:
-                return GenerationResult(tuple(output), FinishReason.LENGTH, None, None)
-            if cancelled.is_set():
-                return GenerationResult(tuple(output), FinishReason.ABORT, None, None)
-            step = torch.tensor([[token]], dtype=torch.int64)
-            logits = _forward(loaded, cache, input_ids=step)
+        cache, logits = _prefill(loaded, inputs)
+        token, logprobs = choice.pick(logits)
+        end = choice.take(token, logprobs)
+        return end if end is not None else _steps(loaded, cache, choice, token, cancelled)
+
+
+def run_prefill(
+    loaded: LoadedModel,
+    inputs: ModelInputs,
+    plan: GenerationPlan,
+    on_token: Callable[[int, int, TokenLogprobs | None], None],
+    tokenizer: LazyTokenizer,
+) -> tuple[PrefillState, list[GenerationResult]]:
+    """The prefill leg: the prompt forward once, then each choice's first token from its logits.
+
+    ``on_token(choice, token, logprobs)`` is called for each first token.  Returns the state the
+    decode leg continues from (:mod:`.kv_state`) and each choice's result as the prefill leg reports
+    it: its one token, ``stop`` when that token ends the choice, else ``length`` (the prefill's
+    one-token budget, as a vLLM prefill leg runs with ``max_tokens=1``).
+    """
+    firsts: list[FirstToken] = []
+    results: list[GenerationResult] = []
+    with torch.inference_mode():
+        cache, logits = _prefill(loaded, inputs)
+        for index in range(plan.n):
+            def emit(token: int, lp: TokenLogprobs | None, index: int = index) -> None:
+                on_token(index, token, lp)
+
+            choice = _Choice(loaded, plan.for_choice(index), inputs.input_ids, emit, tokenizer)
+            token, logprobs = choice.pick(logits.clone())  # each choice samples the same logits
+            end = choice.take(token, logprobs)
+            state = choice.generator.get_state() if choice.generator is not None else None
+            firsts.append(FirstToken(token, logprobs, state))
+            results.append(end or GenerationResult((token,), FinishReason.LENGTH, None, None))
+        state_ = PrefillState(prompt_ids=tuple(int(t) for t in inputs.input_ids[0].tolist()),
+                              layers=snapshot_cache(cache), rope=rope_state(loaded.model), first=tuple(firsts))
+    return state_, results
+
+
+def run_decode(
+    loaded: LoadedModel,
+    state: PrefillState,
+    index: int,
+    plan: GenerationPlan,
+    on_token: Callable[[int, TokenLogprobs | None], None],
+    cancelled: threading.Event,
+    tokenizer: LazyTokenizer,
+) -> GenerationResult:
+    """The decode leg of choice ``index``: restore the prefill's KV and position state, take the
+    prefill's first token, then step as :func:`run_generation` does after its own first token.
+
+    Raises:
+        ValueError: a state this model cannot continue (another model's KV).
+    """
+    prompt = torch.tensor([state.prompt_ids], dtype=torch.int64)
+    choice = _Choice(loaded, plan, prompt, on_token, tokenizer)
+    if cancelled.is_set():
+        return choice.abort()
+    first = state.first[index]
+    if choice.generator is not None and first.generator_state is not None:
+        choice.generator.set_state(first.generator_state)
+    with torch.inference_mode():
+        set_rope_state(loaded.model, state.rope)
+        cache = restore_cache(loaded.model.config, state.layers)
+        end = choice.take(first.token, first.logprobs)
+        return end if end is not None else _steps(loaded, cache, choice, first.token, cancelled)

@@ -1,10 +1,15 @@
-"""Turn a ``GenerateRequest``'s prompt and multimodal batches into model inputs.
+"""Turn a request's prompt and multimodal tensors into model inputs: one generic path for every wire.
 
-Stage: engine request intake.  In: ``GenerateRequest`` (``tokenized.input_ids``
-already expanded: one placeholder token per embedding row; ``mm_inputs`` and
-``extra_mm_inputs``, one ``MultimodalInputs`` batch per modality); out:
-:class:`ModelInputs` with ``input_ids`` ``[1, seq]`` int64 and the keyword
-tensors the model's ``forward`` takes.
+Stage: engine request intake.  In: the expanded prompt ids (one placeholder token per embedding
+row) and one :class:`MediaBatch` per modality: neutral tensors under the model's forward-kwarg
+names, read from the wire by its servicer (vLLM: :func:`vllm_batches` here; SGLang:
+:mod:`.sglang_servicer`; TokenSpeed's per-item tensors, concatenated: :mod:`.tokenspeed_inputs`);
+optionally the encode leg's embeddings (``mm_encoder_outputs``, :mod:`.encoding`).  Out:
+:class:`ModelInputs` with ``input_ids`` ``[1, seq]`` int64 and the keyword tensors the model's
+``forward`` takes (:func:`assemble_inputs`).  The model code is the same for every wire and role.
+
+vLLM wire (``GenerateRequest``: ``mm_inputs`` and ``extra_mm_inputs``, one ``MultimodalInputs``
+batch per modality):
 
 Mirrors ``smg_grpc_servicer/vllm/servicer.py`` ``_build_preprocessed_mm_inputs``
 and ``mm_keys.py`` (smg-grpc-servicer 0.14.1): the primary tensor travels in
@@ -36,7 +41,10 @@ code (``get_placeholder_mask``) is the authority on token/feature agreement.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
 
 import torch
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
@@ -46,9 +54,26 @@ from mmgate.refengine.bundle import LazyTokenizer, LoadedModel
 from mmgate.refengine.device_normalize import DeviceNormalizer
 from mmgate.refengine.families import MM_TOKEN_TYPES, TokenTypes
 from mmgate.refengine.tensors import decode_tensor, require_shape
+from mmgate.types import Modality
 
 DEFAULT_ENCODER_INPUT_KEY = "pixel_values"
 VIDEO_ENCODER_INPUT_KEY = "pixel_values_videos"
+#: the forward kwarg of an audio encoder input (Whisper-style towers) when a wire names none
+AUDIO_ENCODER_INPUT_KEY = "input_features"
+
+
+@dataclass(frozen=True, slots=True)
+class MediaBatch:
+    """One modality's tensors as any wire delivers them, under the model's forward-kwarg names.
+
+    ``primary`` is the encoder input's kwarg (``pixel_values`` / ``pixel_values_videos``); it is
+    absent from ``tensors`` when the leg carries no encoder input (an EPD prefill, whose embeddings
+    come from the encode leg, or a decode leg).  Floating tensors are float32.
+    """
+
+    modality: Modality
+    tensors: dict[str, torch.Tensor]
+    primary: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +84,8 @@ class ModelInputs:
     attention_mask: torch.Tensor  # [1, seq] int64, all ones
     mm_kwargs: dict[str, torch.Tensor]  # forward kwargs: pixel_values, image_grid_thw, mm_token_type_ids, ...
     dropped_keys: tuple[str, ...]  # received tensors the model's forward does not take
+    # modality ("image" | "video") -> the encode leg's output, passed as the forward's ``mm_encoder_outputs``
+    encoder_outputs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def prompt_len(self) -> int:
@@ -77,6 +104,38 @@ def modality_key(key: str, is_video: bool) -> str:
     if is_video and key == DEFAULT_ENCODER_INPUT_KEY:
         return VIDEO_ENCODER_INPUT_KEY
     return key
+
+
+def encoder_input_kwarg(modality: Modality, key: str = DEFAULT_ENCODER_INPUT_KEY) -> str:
+    """The forward kwarg of a ``modality`` batch's encoder input sent under ``key``."""
+    if modality is Modality.AUDIO and key == DEFAULT_ENCODER_INPUT_KEY:
+        return AUDIO_ENCODER_INPUT_KEY
+    return modality_key(key, modality is Modality.VIDEO)
+
+
+def finish_tensors(batch: dict[str, torch.Tensor], primary: str,
+                   normalizer: DeviceNormalizer | None = None) -> dict[str, torch.Tensor]:
+    """``batch`` ready for the model, in place: a uint8 encoder input normalized by ``normalizer``
+    (an engine started with ``--mm-device-do-normalize``; any other engine refuses it), floats
+    cast to float32, every ``*_grid_thw`` of rank 2.
+
+    Raises:
+        GatewayError(INVALID_REQUEST)
+    """
+    if primary in batch and batch[primary].dtype == torch.uint8:
+        if normalizer is None:
+            raise GatewayError(ErrorCode.INVALID_REQUEST,
+                               "raw uint8 pixels sent to an engine that does not normalize on device")
+        try:
+            batch[primary] = normalizer.normalize(batch[primary])
+        except ValueError as exc:
+            raise GatewayError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+    for key, tensor in batch.items():
+        if tensor.is_floating_point():
+            batch[key] = tensor.to(torch.float32)
+        if key.endswith("_grid_thw"):
+            require_shape(key, tensor, 2)
+    return batch
 
 
 def _check_layout(mm: vllm_engine_pb2.MultimodalInputs, batch: dict[str, torch.Tensor], is_video: bool) -> None:
@@ -109,39 +168,54 @@ def _check_layout(mm: vllm_engine_pb2.MultimodalInputs, batch: dict[str, torch.T
             )
 
 
+def vllm_modality(mm: vllm_engine_pb2.MultimodalInputs) -> Modality:
+    """``mm_keys.modality_name``: VIDEO is a video batch, anything else an image batch."""
+    return Modality.VIDEO if mm.modality == common_pb2.VIDEO else Modality.IMAGE
+
+
 def batch_tensors(mm: vllm_engine_pb2.MultimodalInputs,
                   normalizer: DeviceNormalizer | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of one batch under its forward-kwarg name, floats as float32.
-
-    A uint8 primary tensor (raw pixels) is rescaled and normalized by
-    ``normalizer`` (an engine started with ``--mm-device-do-normalize``); any
-    other engine refuses it.
+    """Every tensor of one vLLM batch under its forward-kwarg name, ready for the model (:func:`finish_tensors`).
 
     Raises:
         GatewayError(INVALID_REQUEST): a malformed tensor or contradictory layout.
     """
     is_video = mm.modality == common_pb2.VIDEO
+    primary = modality_key(mm.encoder_input_key or DEFAULT_ENCODER_INPUT_KEY, is_video)
     batch: dict[str, torch.Tensor] = {}
     if mm.HasField("pixel_values"):
-        primary = modality_key(mm.encoder_input_key or DEFAULT_ENCODER_INPUT_KEY, is_video)
         batch[primary] = decode_tensor(mm.pixel_values)
-        if batch[primary].dtype == torch.uint8:
-            if normalizer is None:
-                raise GatewayError(ErrorCode.INVALID_REQUEST,
-                                   "raw uint8 pixels sent to an engine that does not normalize on device")
-            try:
-                batch[primary] = normalizer.normalize(batch[primary])
-            except ValueError as exc:
-                raise GatewayError(ErrorCode.INVALID_REQUEST, str(exc)) from None
     for key, td in mm.model_specific_tensors.items():
         batch[modality_key(key, is_video)] = decode_tensor(td)
-    for key, tensor in batch.items():
-        if tensor.is_floating_point():
-            batch[key] = tensor.to(torch.float32)
-        if key.endswith("_grid_thw"):
-            require_shape(key, tensor, 2)
+    finish_tensors(batch, primary, normalizer)
     _check_layout(mm, batch, is_video)
     return batch
+
+
+def vllm_batches(request: vllm_engine_pb2.GenerateRequest,
+                 normalizer: DeviceNormalizer | None = None) -> list[MediaBatch]:
+    """The vLLM request's batches as :class:`MediaBatch` values, in wire order."""
+    out = []
+    for mm in mm_batches(request):
+        is_video = mm.modality == common_pb2.VIDEO
+        primary = modality_key(mm.encoder_input_key or DEFAULT_ENCODER_INPUT_KEY, is_video)
+        out.append(MediaBatch(vllm_modality(mm), batch_tensors(mm, normalizer), primary))
+    return out
+
+
+def check_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
+    """``ids`` as a list, refused when empty or outside the vocabulary.
+
+    Raises:
+        GatewayError(INVALID_REQUEST)
+    """
+    ids = [int(i) for i in ids]
+    if not ids:
+        raise GatewayError(ErrorCode.INVALID_REQUEST, "prompt is empty")
+    bad = next((i for i in ids if i >= vocab_size), None)
+    if bad is not None:
+        raise GatewayError(ErrorCode.INVALID_REQUEST, f"token id {bad} is outside the vocabulary ({vocab_size})")
+    return ids
 
 
 def prompt_ids(request: vllm_engine_pb2.GenerateRequest, tokenizer: LazyTokenizer, vocab_size: int) -> list[int]:
@@ -157,12 +231,7 @@ def prompt_ids(request: vllm_engine_pb2.GenerateRequest, tokenizer: LazyTokenize
         ids = list(tokenizer.get()(request.text, add_special_tokens=False)["input_ids"])
     else:
         raise GatewayError(ErrorCode.INVALID_REQUEST, "request has neither tokenized input nor text")
-    if not ids:
-        raise GatewayError(ErrorCode.INVALID_REQUEST, "prompt is empty")
-    bad = next((i for i in ids if i >= vocab_size), None)
-    if bad is not None:
-        raise GatewayError(ErrorCode.INVALID_REQUEST, f"token id {bad} is outside the vocabulary ({vocab_size})")
-    return ids
+    return check_ids(ids, vocab_size)
 
 
 def mm_token_type_ids(input_ids: torch.Tensor, image_token_id: int | None, video_token_id: int | None,
@@ -182,40 +251,38 @@ def mm_token_type_ids(input_ids: torch.Tensor, image_token_id: int | None, video
     return out
 
 
-def build_model_inputs(
-    request: vllm_engine_pb2.GenerateRequest, loaded: LoadedModel, tokenizer: LazyTokenizer,
-    normalizer: DeviceNormalizer | None = None,
-) -> ModelInputs:
-    """Decode and check a request into :class:`ModelInputs`.
+def assemble_inputs(ids: Sequence[int], batches: Sequence[MediaBatch], loaded: LoadedModel,
+                    encoder_outputs: Mapping[str, Any] | None = None) -> ModelInputs:
+    """The model inputs of a checked prompt and its media batches (every wire ends here).
+
+    ``encoder_outputs``: modality name -> the encode leg's output for that modality's items
+    (:func:`mmgate.refengine.encoding.combine`), replacing the batch's encoder input.
 
     Raises:
-        GatewayError(INVALID_REQUEST): malformed prompt or tensors, duplicate keys across batches.
-        GatewayError(MULTIMODAL_NOT_SUPPORTED): media for a text-only model, worker-side
-            media references, or a primary tensor the model's forward does not take.
+        GatewayError(INVALID_REQUEST): batches carrying the same key.
+        GatewayError(MULTIMODAL_NOT_SUPPORTED): media for a text-only model, or an encoder input
+            (or embeddings) the model's forward does not take.
     """
     facts = loaded.facts
-    if request.HasField("media_refs") and request.media_refs.items:
-        raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED, "this engine does not process media references")
-    ids = prompt_ids(request, tokenizer, facts.vocab_size)
-    input_ids = torch.tensor([ids], dtype=torch.int64)
-    batches = mm_batches(request)
-    if batches and not facts.supports_vision:
+    input_ids = torch.tensor([list(ids)], dtype=torch.int64)
+    if (batches or encoder_outputs) and not facts.supports_vision:
         raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED, f"model {facts.model_type!r} takes no multimodal inputs")
+    if encoder_outputs and "mm_encoder_outputs" not in loaded.forward_params:
+        raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED,
+                           f"model {facts.model_type!r} takes no precomputed encoder outputs")
     tensors: dict[str, torch.Tensor] = {}
-    for mm in batches:
-        batch = batch_tensors(mm, normalizer)
-        shared = batch.keys() & tensors.keys()
+    for batch in batches:
+        shared = batch.tensors.keys() & tensors.keys()
         if shared:
             raise GatewayError(
                 ErrorCode.INVALID_REQUEST,
                 f"multimodal batches carry the same tensor keys {sorted(shared)}; one batch per modality is expected",
             )
-        primary = modality_key(mm.encoder_input_key or DEFAULT_ENCODER_INPUT_KEY, mm.modality == common_pb2.VIDEO)
-        if primary in batch and primary not in loaded.forward_params:
+        if batch.primary in batch.tensors and batch.primary not in loaded.forward_params:
             raise GatewayError(
-                ErrorCode.MULTIMODAL_NOT_SUPPORTED, f"model {facts.model_type!r} takes no {primary!r} input"
+                ErrorCode.MULTIMODAL_NOT_SUPPORTED, f"model {facts.model_type!r} takes no {batch.primary!r} input"
             )
-        tensors.update(batch)
+        tensors.update(batch.tensors)
     mm_kwargs = {k: v for k, v in tensors.items() if k in loaded.forward_params}
     dropped = tuple(sorted(k for k in tensors if k not in loaded.forward_params))
     types = loaded.family.token_types
@@ -226,4 +293,25 @@ def build_model_inputs(
         attention_mask=torch.ones_like(input_ids),
         mm_kwargs=mm_kwargs,
         dropped_keys=dropped,
+        encoder_outputs=MappingProxyType(dict(encoder_outputs or {})),
     )
+
+
+def build_model_inputs(
+    request: vllm_engine_pb2.GenerateRequest, loaded: LoadedModel, tokenizer: LazyTokenizer,
+    normalizer: DeviceNormalizer | None = None,
+) -> ModelInputs:
+    """Decode and check a vLLM-wire request into :class:`ModelInputs`.
+
+    Raises:
+        GatewayError(INVALID_REQUEST): malformed prompt or tensors, duplicate keys across batches.
+        GatewayError(MULTIMODAL_NOT_SUPPORTED): media for a text-only model, worker-side
+            media references, or a primary tensor the model's forward does not take.
+    """
+    if request.HasField("media_refs") and request.media_refs.items:
+        raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED, "this engine does not process media references")
+    ids = prompt_ids(request, tokenizer, loaded.facts.vocab_size)
+    if mm_batches(request) and not loaded.facts.supports_vision:
+        raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED,
+                           f"model {loaded.facts.model_type!r} takes no multimodal inputs")
+    return assemble_inputs(ids, vllm_batches(request, normalizer), loaded)

@@ -1,11 +1,17 @@
-"""Start the reference engine: load the bundle, bind, serve.
+"""Start the reference engine: load the bundle, bind, serve the wire of ``--wire`` in the role of ``--role``.
 
 Stage: engine process entry.  In: an :class:`EngineConfig` (or ``argv`` for
-``mmgate engine`` / ``python -m mmgate.refengine``); out: a started gRPC
-server speaking ``vllm.grpc.engine.VllmEngine``.
+``mmgate engine`` / ``python -m mmgate.refengine``); out: a started gRPC server speaking
+``vllm.grpc.engine.VllmEngine``, ``sglang.grpc.scheduler.SglangScheduler`` or
+``tokenspeed.grpc.scheduler.TokenSpeedScheduler`` (an encode engine: ``TokenSpeedEncoder`` plus
+the scheduler service for discovery, as smg-grpc-servicer's ``tokenspeed/server.py`` mounts
+them), and ``grpc.health.v1.Health`` with that engine service as its readiness service
+(:mod:`.health`).  A gateway detects the wire by which service's ``HealthCheck`` answers: every
+other engine service is ``UNIMPLEMENTED`` here.  A prefill or encode engine also starts its
+handoff listener on ``--bootstrap-port`` (:mod:`.handoff`).
 
 One stderr line at start names the model, whether its weights are real or
-random (shrunken, seeded), and the address.
+random (shrunken, seeded), the wire, the role, and the addresses.
 """
 
 from __future__ import annotations
@@ -15,32 +21,57 @@ import signal
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import torch
-from smg_grpc_proto.generated import vllm_engine_pb2_grpc
+from smg_grpc_proto.generated import (
+    sglang_scheduler_pb2_grpc,
+    tokenspeed_encoder_pb2_grpc,
+    tokenspeed_scheduler_pb2_grpc,
+    vllm_engine_pb2_grpc,
+)
 
+from mmgate.engines.base import Role, Wire
 from mmgate.refengine.bundle import load_model
 from mmgate.refengine.config import EngineConfig, parse_args
-from mmgate.refengine.servicer import MANAGEMENT_THREADS, RefEngineServicer
+from mmgate.refengine.core import MANAGEMENT_THREADS, EngineCore
+from mmgate.refengine.health import HealthService
+from mmgate.refengine.servicer import SERVICE_NAME as VLLM_SERVICE
+from mmgate.refengine.servicer import RefEngineServicer, device_normalizer
+from mmgate.refengine.sglang_servicer import SERVICE_NAME as SGLANG_SERVICE
+from mmgate.refengine.sglang_servicer import SglangServicer
+from mmgate.refengine.tokenspeed_servicer import SERVICE_NAME as TOKENSPEED_SERVICE
+from mmgate.refengine.tokenspeed_servicer import (
+    TokenSpeedEncoderServicer,
+    TokenSpeedServicer,
+)
 
 logger = logging.getLogger("mmgate.refengine")
 
 #: pixel tensors travel inline; gRPC's 4 MiB default is far too small
 MAX_MESSAGE_BYTES = 1 << 30
+#: the engine service each wire serves (and names as the health service's readiness service)
+ENGINE_SERVICES = {Wire.VLLM: VLLM_SERVICE, Wire.SGLANG: SGLANG_SERVICE, Wire.TOKENSPEED: TOKENSPEED_SERVICE}
 
 
 @dataclass(frozen=True, slots=True)
 class RunningEngine:
-    """A started engine: the server, the port it is bound to, its servicer."""
+    """A started engine: the server, the port it is bound to, its core and wire servicer."""
 
     server: grpc.Server
     port: int
-    servicer: RefEngineServicer
+    servicer: Any  # the wire's servicer (RefEngineServicer, SglangServicer, TokenSpeedServicer)
+    core: EngineCore
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def bootstrap_port(self) -> int:
+        """The handoff listener's port (prefill and encode roles; 0 otherwise)."""
+        return self.core.bootstrap_port
 
     def stop(self, grace: float | None = 1.0) -> None:
         """Stop serving, cancel in-flight generations, and wait until the server is down."""
@@ -48,17 +79,35 @@ class RunningEngine:
         self.server.stop(grace).wait()
 
 
+def _register(config: EngineConfig, core: EngineCore, server: grpc.Server) -> Any:
+    """Add the wire's services for the role; the wire servicer."""
+    if config.wire is Wire.VLLM:
+        servicer: Any = RefEngineServicer(config, core)
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, server)
+    elif config.wire is Wire.SGLANG:
+        servicer = SglangServicer(config, core)
+        sglang_scheduler_pb2_grpc.add_SglangSchedulerServicer_to_server(servicer, server)
+    else:
+        servicer = TokenSpeedServicer(config, core)
+        tokenspeed_scheduler_pb2_grpc.add_TokenSpeedSchedulerServicer_to_server(servicer, server)
+        if config.role is Role.ENCODE:
+            tokenspeed_encoder_pb2_grpc.add_TokenSpeedEncoderServicer_to_server(TokenSpeedEncoderServicer(core), server)
+    health = HealthService(ENGINE_SERVICES[config.wire], lambda: core.shutting_down)
+    server.add_generic_rpc_handlers((health.handler(),))
+    return servicer
+
+
 def start_engine(config: EngineConfig) -> RunningEngine:
     """Load the model, bind ``config.host:config.port`` (0 = a free port), and start serving.
 
     Raises:
-        OSError / ValueError: the bundle cannot be loaded.
+        OSError / ValueError: the bundle cannot be loaded (or the bootstrap port bound).
         RuntimeError: the address cannot be bound.
     """
     torch.set_num_threads(config.num_threads)
     loaded = load_model(config)
-    servicer = RefEngineServicer(config, loaded)
-    # Generate streams take at most config.rpc_workers threads (the servicer refuses more), so
+    core = EngineCore(config, loaded, device_normalizer(config, loaded))
+    # Generate streams take at most config.rpc_workers threads (the core refuses more), so
     # MANAGEMENT_THREADS stay free for HealthCheck and the info RPCs while the engine is busy.
     server = grpc.server(
         ThreadPoolExecutor(max_workers=config.rpc_workers + MANAGEMENT_THREADS, thread_name_prefix="refengine-rpc"),
@@ -67,23 +116,28 @@ def start_engine(config: EngineConfig) -> RunningEngine:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ],
     )
-    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, server)
+    servicer = _register(config, core, server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:
+        core.shutdown()
         raise RuntimeError(f"cannot bind {config.host}:{config.port}")
     server.start()
     facts = loaded.facts
     weights = f"random shrunken weights (seed {config.seed})" if facts.random_weights else "real weights"
+    handoff = f", handoff on {config.host}:{core.bootstrap_port}" if core.bootstrap_port else ""
     logger.info(
-        "refengine: model %s (%s, %s) with %s, serving on %s:%d",
+        "refengine: model %s (%s, %s) with %s, %s wire, %s role, serving on %s:%d%s",
         facts.model_path,
         facts.model_type,
         ",".join(facts.architectures) or "?",
         weights,
+        config.wire.value,
+        config.role.value,
         config.host,
         port,
+        handoff,
     )
-    return RunningEngine(server=server, port=port, servicer=servicer)
+    return RunningEngine(server=server, port=port, servicer=servicer, core=core)
 
 
 def serve(config: EngineConfig) -> grpc.Server:
@@ -95,7 +149,7 @@ def serve(config: EngineConfig) -> grpc.Server:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``mmgate engine --model DIR [--host H] [--port N] [--seed S] ...``: serve until SIGINT/SIGTERM.
+    """``mmgate engine --model DIR [--wire W] [--role R] [--host H] [--port N] ...``: serve until SIGINT/SIGTERM.
 
     Returns:
         0 after a clean stop; 1 when the model cannot be loaded or the port bound.

@@ -3,9 +3,11 @@
 Stage: engine request intake.  In: a ``TensorData`` (shape, dtype name, one
 payload); out: a writable CPU ``torch.Tensor`` that owns its memory.
 
-The one place a payload kind is dispatched on: inline bytes today
-(:func:`mmgate.transport.inline.from_tensor_data`); a shared-memory branch
-slots in here without touching the callers.
+The one place a payload kind is dispatched on: inline bytes
+(:func:`mmgate.transport.inline.from_tensor_data`) or a shared-memory handle, for the
+vLLM and TokenSpeed ``TensorData`` (the same ``payload`` oneof in both protos, as
+``smg_grpc_servicer/mm_shm.py`` reads them); the SGLang wire's bare ``data`` bytes
+through :func:`tensor_from_bytes`.
 
 Mirrors ``smg_grpc_servicer/tensor_wire.py`` ``tensor_from_parts``
 (smg-grpc-servicer 0.14.1): ``bfloat16`` travels as raw 16-bit patterns and
@@ -15,16 +17,18 @@ transformers indexes with.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
-from smg_grpc_proto.generated import vllm_engine_pb2
+from smg_grpc_proto.generated import tokenspeed_scheduler_pb2, vllm_engine_pb2
 
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.transport.inline import from_parts, from_tensor_data
 from mmgate.transport.shm import ShmError, read_segment
 
 
-def decode_tensor(td: vllm_engine_pb2.TensorData) -> torch.Tensor:
+def decode_tensor(td: vllm_engine_pb2.TensorData | tokenspeed_scheduler_pb2.TensorData) -> torch.Tensor:
     """Decode ``td`` into a tensor of its declared shape.
 
     Args:
@@ -48,9 +52,24 @@ def decode_tensor(td: vllm_engine_pb2.TensorData) -> torch.Tensor:
         array = from_parts(raw, tuple(td.shape), td.dtype)
     else:
         array = from_tensor_data(td)
-    if td.dtype == "bfloat16":
+    return _to_torch(array, td.dtype)
+
+
+def tensor_from_bytes(data: bytes, shape: Sequence[int], dtype_name: str) -> torch.Tensor:
+    """A tensor from raw bytes + shape + dtype name: the SGLang wire's ``TensorData`` (``data``, no
+    payload oneof), read as ``tensor_wire.tensor_from_parts`` reads it (with ``uint32`` widened to
+    int64 and bfloat16 kept, as :func:`decode_tensor`).
+
+    Raises:
+        GatewayError(INVALID_REQUEST): unknown dtype, or a byte count that does not match the shape.
+    """
+    return _to_torch(from_parts(data, tuple(shape), dtype_name), dtype_name)
+
+
+def _to_torch(array: np.ndarray, dtype_name: str) -> torch.Tensor:
+    if dtype_name == "bfloat16":
         return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
-    if td.dtype == "uint32":
+    if dtype_name == "uint32":
         return torch.from_numpy(array.astype(np.int64))
     return torch.from_numpy(array.copy())
 

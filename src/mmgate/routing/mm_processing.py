@@ -205,7 +205,8 @@ def select_processing_worker(registry: WorkerRegistry, refs: Sequence[MediaRef])
         GatewayError(UNSUPPORTED_MEDIA_URL_SCHEME): 400, a URL scheme no such worker fetches.
     """
     modalities = {r.modality for r in refs}
-    capable = [w for w in registry.workers if w.healthy and advertises_processor(w) and w.accepts(modalities)]
+    capable = [w for w in registry.workers if w.healthy and advertises_processor(w) and w.accepts(modalities)
+               and w.adapter is not None and w.adapter.media_refs]
     if not capable:
         raise GatewayError(ErrorCode.NO_HEALTHY_WORKER, "no healthy worker of this model processes media references")
     schemes = {r.url: url_scheme(r.url) for r in refs}

@@ -2,8 +2,11 @@
 
 Stage: select worker.  In: the modalities a prepared request carries; out:
 the worker that will run it.  Workers are registered from ``--worker-urls``
-(``grpc://HOST:PORT``); each is probed with GetModelInfo / GetServerInfo at
-start and health-checked periodically.  Selection takes the healthy worker
+(``grpc://HOST:PORT``); each is probed at start and periodically through the
+engine seam (:class:`mmgate.engines.client.WorkerClient`): the engine it runs is
+detected without a flag (the first engine service whose ``HealthCheck`` answers,
+as SMG detects it), and its GetModelInfo / GetServerInfo become typed
+:class:`~mmgate.engines.base.Capabilities`.  Selection takes the healthy worker
 with the fewest requests in flight (ties: registration order).
 
 Health tells busy from dead (:class:`HealthPolicy`, :meth:`Worker.record_probe`):
@@ -17,13 +20,17 @@ Health tells busy from dead (:class:`HealthPolicy`, :meth:`Worker.record_probe`)
   worker unhealthy.
 The counts are shown by ``GET /workers``, with each worker's labels: what its
 GetModelInfo / GetServerInfo say (``supports_vision``, ``shm_namespace_id``,
-``mm_processor``, ``mm_processor_source``, ``mm_media_ref_schemes``, ...) plus the
-gateway's own ``wire`` (the engine protocol it speaks, ``vllm``) and ``role``
-(``single``: no prefill/decode split), as SMG's ``/workers`` shows them.
+``mm_processor``, ``mm_processor_source``, ``mm_media_ref_schemes``, ...) plus
+``wire`` (the engine protocol detected: ``vllm``, ``sglang``, ``tokenspeed``) and
+``role`` (``single``, ``prefill``, ``decode``, ``encode``: the role the worker was
+given, else the one it reports), as SMG's ``/workers`` shows them.
 
-Capability: a worker whose model reports ``supports_vision = false`` cannot
-take image or video input; a request carrying them is refused with
-``multimodal_not_supported`` (400) rather than failing inside the engine.
+Capability (:mod:`mmgate.engines.capabilities`): a worker takes the modalities of its
+wire's row of the capability matrix that its model takes.  A request whose media no
+registered worker takes is refused with ``multimodal_not_supported`` (400) before
+anything is fetched (:meth:`WorkerRegistry.check_kinds`); selection refuses the same
+way when the healthy workers cannot take it.  A worker whose wire has no adapter in
+this gateway is listed and counted, never selected.
 """
 
 from __future__ import annotations
@@ -31,13 +38,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from mmgate import metrics
-from mmgate.engines.vllm import ENGINE
-from mmgate.engines.vllm_client import Probe, ProbeOutcome, VllmWorkerClient, WorkerInfo
+from mmgate.engines.adapter import WireAdapter, adapter_for
+from mmgate.engines.base import Capabilities, Probe, ProbeOutcome, Role
+from mmgate.engines.capabilities import MediaKind, any_wire_takes, takes, takes_all
+from mmgate.engines.client import WorkerClient
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.types import Modality
 
@@ -82,18 +91,33 @@ class Worker:
 
     url: str
     target: str  # host:port
-    client: VllmWorkerClient | None = None  # created on the serving event loop (grpc.aio binds to it)
-    info: WorkerInfo | None = None
+    client: WorkerClient | None = None  # created on the serving event loop (grpc.aio binds to it)
+    caps: Capabilities | None = None  # what the last passing probe said; kept through failed probes
     healthy: bool = False
     in_flight: int = 0
     labels: dict[str, str] = field(default_factory=dict)
     failures: int = 0  # consecutive failed probes (busy timeouts excluded); 0 after any pass
     busy_probes: int = 0  # consecutive probes that timed out while busy (not counted as failures)
     last_probe: str = ""  # ProbeOutcome of the last probe, or "busy"
-    wire: str = ENGINE  # the engine protocol this worker is spoken to with (label ``wire``)
-    role: str = "single"  # single | prefill | decode | encode (label ``role``); mmgate dispatches single only
+    wire: str = ""  # the engine protocol detected (label ``wire``); "" until a probe reaches the worker
+    assigned_role: Role | None = None  # the role the gateway gave this worker (None: the one it reports)
 
     def __post_init__(self) -> None:
+        self._label_wire_and_role()
+
+    @property
+    def role(self) -> str:
+        """``single | prefill | decode | encode`` (label ``role``): the assigned role, else the reported one."""
+        if self.assigned_role is not None:
+            return self.assigned_role.value
+        return self.caps.role.value if self.caps is not None else Role.SINGLE.value
+
+    @property
+    def adapter(self) -> WireAdapter | None:
+        """The engine adapter of this worker's wire (None: not detected yet, or none registered for it)."""
+        return adapter_for(self.wire)
+
+    def _label_wire_and_role(self) -> None:
         self.labels = {**self.labels, "wire": self.wire, "role": self.role}
 
     def record_probe(self, probe: Probe, policy: HealthPolicy, now: float, last_answer: float) -> bool:
@@ -102,12 +126,17 @@ class Worker:
         ``now`` and ``last_answer`` (when the worker last answered anything) are ``time.monotonic()`` seconds.
         """
         outcome = probe.outcome
+        if probe.wire is not None:
+            self.wire = probe.wire.value
+            self._label_wire_and_role()
         if outcome is ProbeOutcome.OK:
             self.failures = self.busy_probes = 0
             self.healthy = True
-            if probe.info is not None:
-                self.info = probe.info
-                self.labels = {**probe.info.labels, "wire": self.wire, "role": self.role}
+            if probe.capabilities is not None:
+                self.caps = probe.capabilities
+                self.wire = probe.capabilities.wire.value
+                self.labels = dict(probe.capabilities.labels)
+                self._label_wire_and_role()
             self.last_probe = outcome.value
             return True
         if (outcome is ProbeOutcome.TIMEOUT and self.in_flight > 0
@@ -140,10 +169,11 @@ class Worker:
         return release
 
     def accepts(self, modalities: Iterable[Modality]) -> bool:
+        """Whether this worker takes every one of ``modalities`` (its wire x model, the capability matrix)."""
         wanted = set(modalities)
         if not wanted:
             return True
-        return self.info is not None and self.info.supports_vision and wanted <= {Modality.IMAGE, Modality.VIDEO}
+        return self.caps is not None and takes_all(self.caps, wanted)
 
 
 class WorkerRegistry:
@@ -180,7 +210,7 @@ class WorkerRegistry:
 
     async def _probe(self, worker: Worker) -> None:
         if worker.client is None:
-            worker.client = VllmWorkerClient(worker.target)
+            worker.client = WorkerClient(worker.target)
         was = worker.healthy
         probe = await worker.client.probe(self.policy.timeout_s)
         healthy = worker.record_probe(probe, self.policy, time.monotonic(), worker.client.last_answer)
@@ -209,12 +239,40 @@ class WorkerRegistry:
             await asyncio.gather(self._task, return_exceptions=True)
         await asyncio.gather(*(w.client.close() for w in self.workers if w.client is not None))
 
+    def check_kinds(self, kinds: Mapping[MediaKind, str]) -> None:
+        """Refuse, before anything is fetched, media that no registered worker of the model takes.
+
+        ``kinds``: each kind of media the request carries -> the ``param`` of its first content part.
+        A kind no wire takes at all (precomputed embeddings) is always refused; any other is refused
+        when some worker's capabilities are known and none of them takes it (workers that failed their
+        last probe included: their capabilities stand until the next passing probe).  With no worker
+        known yet the request goes on (selection decides).
+
+        Raises:
+            GatewayError(MULTIMODAL_NOT_SUPPORTED): 400, ``param`` naming the first such part.
+        """
+        for kind, param in kinds.items():
+            if not any_wire_takes(kind):
+                raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED,
+                                   f"{kind.value} input is taken by no engine wire (docs/engines.md, capability matrix)",
+                                   param)
+        known = [w.caps for w in self.workers if w.caps is not None]
+        if not known:
+            return
+        for kind, param in kinds.items():
+            if not any(takes(caps, kind) for caps in known):
+                wires = ", ".join(sorted({caps.wire.value for caps in known}))
+                raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED,
+                                   f"no worker of this model takes {kind.value} input (wire: {wires}; "
+                                   "docs/engines.md, capability matrix)", param)
+
     def select(self, modalities: Iterable[Modality]) -> Worker:
-        """The least-loaded healthy worker that can take ``modalities``.
+        """The least-loaded healthy worker that can take ``modalities`` and that this gateway has an adapter for.
 
         Raises:
             GatewayError(MULTIMODAL_NOT_SUPPORTED): healthy workers exist but none takes these modalities.
-            GatewayError(NO_HEALTHY_WORKER): no healthy worker (retryable 503).
+            GatewayError(NO_HEALTHY_WORKER): no healthy worker, or none of a wire this gateway speaks
+                (retryable 503).
         """
         wanted = list(modalities)
         healthy = [w for w in self.workers if w.healthy]
@@ -224,6 +282,11 @@ class WorkerRegistry:
         if not capable:
             names = ", ".join(sorted(m.value for m in wanted))
             raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED, f"no worker of this model accepts {names} input")
-        chosen = min(capable, key=lambda w: w.in_flight)
+        spoken = [w for w in capable if w.adapter is not None]
+        if not spoken:
+            wires = ", ".join(sorted({w.wire for w in capable}))
+            raise GatewayError(ErrorCode.NO_HEALTHY_WORKER,
+                               f"the healthy workers of this model speak {wires}, which this gateway has no adapter for")
+        chosen = min(spoken, key=lambda w: w.in_flight)
         assert chosen.client is not None  # healthy implies probed
         return chosen

@@ -11,7 +11,7 @@ engine with a retryable ``RESOURCE_EXHAUSTED``.
 
 * inline: the tensors ride the gRPC ``GenerateRequest``, so the channel's
   message limit bounds them (:data:`GRPC_MAX_MESSAGE_BYTES`, the send/receive
-  limit of ``mmgate.engines.vllm_client``);
+  limit of ``mmgate.engines.client``);
 * shm: tensors of at least ``shm_min_bytes`` ride shared memory; the message
   limit bounds them only when ``shm_min_bytes`` exceeds it;
 * auto: as shm when this process has a shared-memory namespace (the worker's

@@ -1,0 +1,185 @@
+"""The one async client of a worker, whatever engine it runs.
+
+Stage: transport.  A worker is a ``host:port``; the client finds which engine service it serves
+(:mod:`mmgate.engines.probe`: each wire's ``HealthCheck`` in SMG's order, no flag), probes its
+health and capabilities (``GetModelInfo`` + ``GetServerInfo`` -> :class:`Capabilities`), and runs
+calls: an :class:`EncodedRequest` of the worker's wire in, :class:`EngineEvent` values out, RPC
+failures raised as :class:`~mmgate.errors.GatewayError` (the wire adapter's ``map_error``).
+
+Health probes (:meth:`WorkerClient.probe`) classify a failure instead of folding it into
+``False``: nothing listening (``UNAVAILABLE``) is told apart from a probe that ran out of time
+(``DEADLINE_EXCEEDED``, a busy worker looks like that) so that :mod:`mmgate.routing.workers` can
+tell busy from dead.  ``last_answer`` is when any call of this client last got a message back
+(a Generate stream answering is proof of life too).  A worker whose known service starts
+answering ``UNIMPLEMENTED`` (another engine now listens there) is detected again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import grpc
+
+from mmgate.engines.adapter import WireAdapter, adapter_for
+from mmgate.engines.base import (
+    Capabilities,
+    EncodedRequest,
+    EngineEvent,
+    Probe,
+    ProbeOutcome,
+    Role,
+    Wire,
+)
+from mmgate.engines.probe import DETECTION_ORDER, SERVICES, WireService
+from mmgate.errors import ErrorCode, GatewayError
+from mmgate.transport.limits import GRPC_MAX_MESSAGE_BYTES
+
+log = logging.getLogger("mmgate.engines")
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
+    # A restarted worker is reconnected within a few seconds (gRPC's default backoff grows to 120 s).
+    ("grpc.max_reconnect_backoff_ms", 5000),
+]
+
+
+def probe_outcome(code: grpc.StatusCode) -> ProbeOutcome:
+    """The outcome a failed probe RPC with status ``code`` counts as."""
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return ProbeOutcome.UNREACHABLE
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return ProbeOutcome.TIMEOUT
+    return ProbeOutcome.ERROR
+
+
+class _NotThisService(Exception):
+    """The worker answered UNIMPLEMENTED: it serves another engine service."""
+
+
+class WorkerClient:
+    """An async client for one worker at ``host:port`` (created on the serving event loop)."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.wire: Wire | None = None  # detected by the first probe that reaches the worker
+        self.last_answer = 0.0  # time.monotonic() of the last message any RPC got back; 0.0: none yet
+        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._methods: dict[tuple[str, bool], Any] = {}
+        self._warned = False
+
+    @property
+    def adapter(self) -> WireAdapter | None:
+        """The adapter of the detected wire (None: not detected yet, or no adapter for it)."""
+        return adapter_for(self.wire)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    def _unary(self, svc: WireService, rpc: str) -> Any:
+        key = (svc.method(rpc), False)
+        if key not in self._methods:
+            self._methods[key] = self._channel.unary_unary(
+                key[0], request_serializer=lambda m: m.SerializeToString(),
+                response_deserializer=svc.response_type(rpc).FromString)
+        return self._methods[key]
+
+    async def _call(self, svc: WireService, rpc: str, timeout_s: float) -> Any:
+        try:
+            resp = await self._unary(svc, rpc)(svc.request(rpc), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise _NotThisService from None
+            raise
+        self.last_answer = time.monotonic()
+        return resp
+
+    async def _health(self, timeout_s: float) -> tuple[WireService, Any] | None:
+        """(service, HealthCheckResponse) of the worker's engine service; detects it when unknown.
+
+        None: the worker serves none of the engine services.  Raises ``AioRpcError`` for any
+        other failure (that ends detection: every service would fail the same way).
+        """
+        if self.wire is not None:
+            svc = SERVICES[self.wire]
+            try:
+                return svc, await self._call(svc, "HealthCheck", timeout_s)
+            except _NotThisService:
+                log.warning("worker %s no longer serves %s: detecting its engine again", self.target, svc.service)
+                self.wire = None
+        for wire in DETECTION_ORDER:
+            svc = SERVICES[wire]
+            try:
+                health = await self._call(svc, "HealthCheck", timeout_s)
+            except _NotThisService:
+                continue
+            self.wire = wire
+            log.info("worker %s serves %s (wire %s)", self.target, svc.service, wire.value)
+            if adapter_for(wire) is None and not self._warned:
+                self._warned = True
+                log.warning("worker %s speaks the %s wire, which this gateway has no adapter for: it is listed "
+                            "and never selected", self.target, wire.value)
+            return svc, health
+        return None
+
+    async def probe(self, timeout_s: float = 2.0) -> Probe:
+        """HealthCheck of the worker's engine service (detected first when unknown), then GetModelInfo +
+        GetServerInfo, each within ``timeout_s`` seconds.
+
+        Never raises for an RPC failure: it is classified (see :class:`ProbeOutcome`).
+        """
+        try:
+            found = await self._health(timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            return Probe(probe_outcome(exc.code()))
+        if found is None:
+            return Probe(ProbeOutcome.ERROR)
+        svc, health = found
+        if not health.healthy:
+            return Probe(ProbeOutcome.NOT_SERVING, wire=svc.wire)
+        try:
+            caps = await self._info(svc, timeout_s)
+        except _NotThisService:
+            return Probe(ProbeOutcome.ERROR, wire=svc.wire)
+        except grpc.aio.AioRpcError as exc:
+            return Probe(probe_outcome(exc.code()), wire=svc.wire)
+        return Probe(ProbeOutcome.OK, caps, wire=svc.wire)
+
+    async def _info(self, svc: WireService, timeout_s: float) -> Capabilities:
+        model = await self._call(svc, "GetModelInfo", timeout_s)
+        server = await self._call(svc, "GetServerInfo", timeout_s)
+        return svc.read(model, server)
+
+    def _stream(self, adapter: WireAdapter, role: Role) -> Any:
+        method, parse = adapter.rpc(role)
+        key = (method, True)
+        if key not in self._methods:
+            self._methods[key] = self._channel.unary_stream(method, request_serializer=None,
+                                                            response_deserializer=parse)
+        return self._methods[key]
+
+    async def generate(self, request: EncodedRequest, role: Role = Role.SINGLE,
+                       timeout_s: float | None = None) -> AsyncGenerator[EngineEvent, None]:
+        """Run one leg (``request``, encoded by this worker's adapter) and stream its events; cancels the
+        call if the consumer stops early.
+
+        Raises:
+            GatewayError: the call's failure, mapped by the wire's adapter.
+        """
+        adapter = self.adapter
+        if adapter is None:
+            raise GatewayError(ErrorCode.NO_HEALTHY_WORKER, f"no engine adapter for worker {self.target}")
+        call = self._stream(adapter, role)(request.data, timeout=timeout_s)
+        try:
+            async for resp in call:
+                self.last_answer = time.monotonic()
+                for event in adapter.events(resp):
+                    yield event
+        except grpc.aio.AioRpcError as exc:
+            raise adapter.map_error(exc) from None
+        finally:
+            if not call.done():
+                call.cancel()
