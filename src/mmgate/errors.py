@@ -47,6 +47,10 @@ class ErrorCode(StrEnum):
     MULTIMODAL_PAYLOAD_TOO_LARGE = "multimodal_payload_too_large"
     MULTIMODAL_INFLIGHT_BUDGET = "multimodal_inflight_budget"
     NO_HEALTHY_WORKER = "no_healthy_worker"
+    # a language-model-only decode worker cannot serve this request (docs/disaggregation.md)
+    PD_DECODE_LANGUAGE_MODEL_ONLY_MROPE = "pd_decode_language_model_only_mrope"
+    PD_DECODE_LANGUAGE_MODEL_ONLY_MEDIA_REFS = "pd_decode_language_model_only_media_refs"
+    PD_DECODE_LANGUAGE_MODEL_ONLY_N_SAMPLES = "pd_decode_language_model_only_n_samples"
     ENGINE_UNAVAILABLE = "engine_unavailable"
     ENGINE_REJECTED = "engine_rejected"
     ENGINE_ERROR = "engine_error"
@@ -74,6 +78,9 @@ ERROR_TABLE: dict[ErrorCode, ErrorSpec] = {
     ErrorCode.SERVER_BUSY: ErrorSpec(503, True, _SERVER),
     ErrorCode.MODEL_NOT_FOUND: ErrorSpec(404, False, _INVALID),
     ErrorCode.MULTIMODAL_NOT_SUPPORTED: ErrorSpec(400, False, _INVALID),
+    ErrorCode.PD_DECODE_LANGUAGE_MODEL_ONLY_MROPE: ErrorSpec(400, False, _INVALID),
+    ErrorCode.PD_DECODE_LANGUAGE_MODEL_ONLY_MEDIA_REFS: ErrorSpec(400, False, _INVALID),
+    ErrorCode.PD_DECODE_LANGUAGE_MODEL_ONLY_N_SAMPLES: ErrorSpec(400, False, _INVALID),
     ErrorCode.MEDIA_COUNT_MISMATCH: ErrorSpec(400, False, _INVALID),
     ErrorCode.MM_ITEM_LIMIT_EXCEEDED: ErrorSpec(400, False, _INVALID),
     ErrorCode.UNSUPPORTED_MEDIA_URL_SCHEME: ErrorSpec(400, False, _INVALID),

@@ -280,6 +280,15 @@ class Settings:
     model_search_path: tuple[Path, ...] = ()
     served_model_name: str | None = None
     worker_urls: tuple[str, ...] = ()
+    #: prefill/decode disaggregation (``--pd-disaggregation``; docs/disaggregation.md)
+    pd_disaggregation: bool = False
+    #: ``--prefill URL [BOOTSTRAP_PORT]``: (url, bootstrap port or None: the one the worker reports)
+    prefill_workers: tuple[tuple[str, int | None], ...] = ()
+    decode_workers: tuple[str, ...] = ()  # ``--decode URL``
+    #: encode disaggregation (``--epd-disaggregation``, TokenSpeed wire): ``--encode URL [BOOTSTRAP_PORT]``
+    epd_disaggregation: bool = False
+    encode_workers: tuple[tuple[str, int | None], ...] = ()
+    encode_policy: str = "consistent_hashing"  # consistent_hashing | round_robin | random
     host: str = "127.0.0.1"
     port: int = 30000
     image_backend: ImageBackend = ImageBackend.AUTO
@@ -334,6 +343,32 @@ def _mmap_threshold(value: int) -> int:
     return value
 
 
+def _url_ports(entries: Sequence[Sequence[str]] | None, flag: str) -> tuple[tuple[str, int | None], ...]:
+    out: list[tuple[str, int | None]] = []
+    for entry in entries or []:
+        if len(entry) > 2 or (len(entry) == 2 and not (entry[1].isdigit() and 0 < int(entry[1]) < 65536)):
+            raise SystemExit(f"{flag} expects URL [BOOTSTRAP_PORT], got {' '.join(entry)!r}")
+        out.append((entry[0], int(entry[1]) if len(entry) == 2 else None))
+    return tuple(out)
+
+
+def _pd_settings(ns: argparse.Namespace) -> tuple[bool, tuple[tuple[str, int | None], ...], tuple[str, ...]]:
+    """(PD on: ``--pd-disaggregation`` or ``--epd-disaggregation``, ``--prefill`` entries, ``--decode`` URLs),
+    checked."""
+    prefill = _url_ports(ns.prefill, "--prefill")
+    decode = tuple(e[0] for e in ns.decode or [])
+    encode = _url_ports(ns.encode, "--encode")
+    enabled = bool(ns.pd_disaggregation) or bool(ns.epd_disaggregation)
+    if enabled and (not prefill or not decode):
+        raise SystemExit("--pd-disaggregation / --epd-disaggregation need at least one --prefill and one --decode "
+                         "worker")
+    if not enabled and (prefill or decode):
+        raise SystemExit("--prefill / --decode need --pd-disaggregation")
+    if bool(ns.epd_disaggregation) != bool(encode):
+        raise SystemExit("--epd-disaggregation needs at least one --encode worker, and --encode needs it")
+    return enabled, prefill, decode
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``mmgate serve`` parser, its options grouped by topic (``--help``; docs/configuration.md)."""
     p = argparse.ArgumentParser(prog="mmgate serve", description="Run the mmgate OpenAI-compatible gateway "
@@ -383,6 +418,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(g, "--worker-unhealthy-after", type=int, default=3,
                help="consecutive failed probes before a worker is unhealthy (nothing listening: at once; "
                     "a timeout while the worker is busy does not count)")
+    add_option(g, "--pd-disaggregation", action="store_true", default=False,
+               help="split each request into a prefill leg and a decode leg (docs/disaggregation.md)")
+    add_option(g, "--prefill", action="append", nargs="+", default=None, metavar="URL [BOOTSTRAP_PORT]",
+               help="a prefill worker grpc://HOST:PORT and optionally its bootstrap port (repeatable)")
+    add_option(g, "--decode", action="append", nargs=1, default=None, metavar="URL",
+               help="a decode worker grpc://HOST:PORT (repeatable)")
+    add_option(g, "--epd-disaggregation", action="store_true", default=False,
+               help="also send each media item to an encode worker (TokenSpeed wire; docs/disaggregation.md)")
+    add_option(g, "--encode", action="append", nargs="+", default=None, metavar="URL [BOOTSTRAP_PORT]",
+               help="an encode worker grpc://HOST:PORT and optionally its bootstrap port (repeatable)")
+    add_option(g, "--encode-policy", choices=["consistent_hashing", "round_robin", "random"],
+               default="consistent_hashing", help="how an item's encode worker is picked (consistent_hashing: "
+               "by the item's content hash)")
     g = p.add_argument_group("HTTP limits")
     add_option(g, "--max-request-body-bytes", type=int, default=0,
                help="413 request_too_large past this body size (0: largest per-item cap in base64 + 1 MiB)")
@@ -421,8 +469,15 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
                         body_timeout_s=ns.http_body_timeout, max_connections=ns.max_connections)
     if min(http.header_timeout_s, http.body_idle_timeout_s, http.body_timeout_s, http.max_connections) <= 0:
         raise SystemExit("--http-*-timeout and --max-connections must be positive")
+    pd_enabled, prefill_workers, decode_workers = _pd_settings(ns)
     return Settings(
         model=ns.model,
+        pd_disaggregation=pd_enabled,
+        prefill_workers=prefill_workers,
+        decode_workers=decode_workers,
+        epd_disaggregation=bool(ns.epd_disaggregation),
+        encode_workers=_url_ports(ns.encode, "--encode"),
+        encode_policy=ns.encode_policy,
         model_search_path=split_search_path(ns.model_path),
         served_model_name=ns.served_model_name,
         worker_urls=tuple(ns.worker_urls),

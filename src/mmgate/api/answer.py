@@ -114,6 +114,10 @@ async def _start(state: GatewayState, req: ChatCompletionRequest, request_id: st
                  record: timing_log.RequestTiming | None) -> EngineAnswer:
     from mmgate.api.worker_mode import forward_media_refs
 
+    if state.settings.pd_disaggregation:  # prefill/decode pairs, media processed here (routing/disagg.py)
+        from mmgate.routing.disagg import start_pd
+
+        return await start_pd(state, req, request_id, record)
     decision = decide_request(req, state.settings, state.runtime, state.workers.workers)
     if decision is not None and decision.mode is Mode.WORKER:
         return await forward_media_refs(state, req, request_id, record)

@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 import grpc
 from smg_grpc_proto.generated import (
     sglang_scheduler_pb2,
+    tokenspeed_encoder_pb2,
     tokenspeed_scheduler_pb2,
     vllm_engine_pb2,
 )
@@ -188,6 +189,35 @@ class TokenSpeedAdapter(WireAdapter):
 
     def events(self, response: tokenspeed_scheduler_pb2.GenerateResponse) -> list[EngineEvent]:
         return tokenspeed.events(response)
+
+    # --- encode disaggregation (EPD; routing/disagg.py, docs/disaggregation.md) ---
+
+    #: the encoder service's unary call: one item per RPC (``tokenspeed_encoder.proto``)
+    ENCODE_METHOD = "/tokenspeed.grpc.encoder.TokenSpeedEncoder/Encode"
+
+    def encode_rpc(self) -> tuple[str, Callable[[bytes], Any]]:
+        """(method path, response parser) of the ``Encode`` call of an encode worker."""
+        return self.ENCODE_METHOD, tokenspeed_encoder_pb2.EncodeResponse.FromString
+
+    def item_count(self, prepared: PreparedRequest) -> int:
+        """How many media items ``prepared`` carries (one ``Encode`` RPC each)."""
+        return len(tokenspeed.prompt_items(prepared))
+
+    def item_hashes(self, prepared: PreparedRequest) -> list[str]:
+        """Each item's content hash, in prompt order (what ``--encode-policy consistent_hashing`` keys on)."""
+        return [batch.mm_hashes[index] for batch, index in tokenspeed.prompt_items(prepared)]
+
+    def encode_item(self, prepared: PreparedRequest, index: int, bootstrap: Bootstrap, plan: WirePlan,
+                    lease: ShmLease | None) -> EncodedRequest:
+        """The ``EncodeRequest`` of item ``index`` (materialized tensors) for its encode worker."""
+        return EncodedRequest(tokenspeed.build_encode_request(prepared, index, bootstrap, plan, lease)
+                              .SerializeToString())
+
+    def encode_epd_prefill(self, prepared: PreparedRequest, plan: WirePlan, lease: ShmLease | None,
+                           bootstrap: Bootstrap, encode_bootstrap: Sequence[Bootstrap]) -> EncodedRequest:
+        """The prefill leg of an EPD request: items without encoder input, ``encode_bootstrap_info`` per item."""
+        return EncodedRequest(tokenspeed.build_generate_request(prepared, Role.PREFILL, plan, lease, bootstrap,
+                                                                encode_bootstrap).SerializeToString())
 
 
 #: the wires this gateway can send requests to (a detected worker of another wire is never selected)

@@ -161,6 +161,26 @@ class WorkerClient:
                                                             response_deserializer=parse)
         return self._methods[key]
 
+    async def unary(self, method: str, parse: Any, request: EncodedRequest, timeout_s: float | None = None) -> Any:
+        """One unary call of this worker's wire (e.g. TokenSpeed's ``Encode``), its response parsed.
+
+        Raises:
+            GatewayError: the call's failure, mapped by the wire's adapter.
+        """
+        adapter = self.adapter
+        if adapter is None:
+            raise GatewayError(ErrorCode.NO_HEALTHY_WORKER, f"no engine adapter for worker {self.target}")
+        key = (method, False)
+        if key not in self._methods:
+            self._methods[key] = self._channel.unary_unary(method, request_serializer=None,
+                                                           response_deserializer=parse)
+        try:
+            response = await self._methods[key](request.data, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise adapter.map_error(exc) from None
+        self.last_answer = time.monotonic()
+        return response
+
     async def generate(self, request: EncodedRequest, role: Role = Role.SINGLE,
                        timeout_s: float | None = None) -> AsyncGenerator[EngineEvent, None]:
         """Run one leg (``request``, encoded by this worker's adapter) and stream its events; cancels the

@@ -119,10 +119,14 @@ def _struct(msg: Any, name: str) -> dict[str, Any]:
     return MessageToDict(getattr(msg, name)) if msg.HasField(name) else {}
 
 
-def _common_labels(model: Any, mode: str) -> dict[str, str]:
-    return {"model_path": model.model_path, "served_model_name": model.served_model_name,
-            "model_type": model.model_type, "supports_vision": _bool(model.supports_vision),
-            "disaggregation_mode": mode}
+def _common_labels(model: Any, mode: str, args: dict[str, Any] | None = None) -> dict[str, str]:
+    labels = {"model_path": model.model_path, "served_model_name": model.served_model_name,
+              "model_type": model.model_type, "supports_vision": _bool(model.supports_vision),
+              "disaggregation_mode": mode}
+    port = (args or {}).get("disaggregation_bootstrap_port")
+    if port:  # where a prefill (or encode) engine's handoff listens (routing/disagg.py)
+        labels["disaggregation_bootstrap_port"] = str(int(port))
+    return labels
 
 
 def _read_sglang(model: sglang_scheduler_pb2.GetModelInfoResponse,
@@ -131,7 +135,7 @@ def _read_sglang(model: sglang_scheduler_pb2.GetModelInfoResponse,
     mode = str(args.get("disaggregation_mode") or "null")
     role = Role.ENCODE if args.get("encoder_only") else _MODE_ROLE.get(mode, Role.SINGLE)
     language_only = bool(args.get("language_only"))
-    labels = {**_common_labels(model, mode), "server_type": server.server_type, "sglang_version": server.sglang_version,
+    labels = {**_common_labels(model, mode, args), "server_type": server.server_type, "sglang_version": server.sglang_version,
               "language_only": _bool(language_only)}
     return Capabilities(
         wire=Wire.SGLANG, role=role, model_type=model.model_type, supports_vision=model.supports_vision,
@@ -149,7 +153,7 @@ def _read_tokenspeed(model: tokenspeed_scheduler_pb2.GetModelInfoResponse,
     # A servicer predating supported_modalities says only supports_vision.
     model_modalities = reported or (VISION if model.supports_vision else frozenset())
     shm_namespace = str(scheduler.get("shm_namespace_id") or "")
-    labels = {**_common_labels(model, mode), "tokenspeed_version": server.tokenspeed_version,
+    labels = {**_common_labels(model, mode, args), "tokenspeed_version": server.tokenspeed_version,
               "supported_modalities": ",".join(sorted(m.value for m in model_modalities)),
               "shm_namespace_id": shm_namespace, "multimodal_encoder_dtype": model.multimodal_encoder_dtype}
     return Capabilities(

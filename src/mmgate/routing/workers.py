@@ -101,6 +101,7 @@ class Worker:
     last_probe: str = ""  # ProbeOutcome of the last probe, or "busy"
     wire: str = ""  # the engine protocol detected (label ``wire``); "" until a probe reaches the worker
     assigned_role: Role | None = None  # the role the gateway gave this worker (None: the one it reports)
+    bootstrap_port: int | None = None  # ``--prefill URL BOOTSTRAP_PORT``; None: the one the worker reports
 
     def __post_init__(self) -> None:
         self._label_wire_and_role()
@@ -176,11 +177,26 @@ class Worker:
         return self.caps is not None and takes_all(self.caps, wanted)
 
 
+def _serves(worker: Worker, role: Role) -> bool:
+    """Whether ``worker`` is one :meth:`WorkerRegistry.select` may pick for a leg of ``role``: a worker given a role
+    with ``--prefill``/``--decode`` only for that role; any other worker for single requests (as before)."""
+    if worker.assigned_role is not None:
+        return worker.assigned_role is role
+    return role is Role.SINGLE
+
+
 class WorkerRegistry:
     """All workers of the served model."""
 
-    def __init__(self, urls: Iterable[str], policy: HealthPolicy | None = None) -> None:
+    def __init__(self, urls: Iterable[str], policy: HealthPolicy | None = None,
+                 prefill: Iterable[tuple[str, int | None]] = (), decode: Iterable[str] = (),
+                 encode: Iterable[tuple[str, int | None]] = ()) -> None:
         self.workers = [Worker(url=u, target=parse_worker_url(u)) for u in urls]
+        self.workers += [Worker(url=u, target=parse_worker_url(u), assigned_role=Role.PREFILL, bootstrap_port=port)
+                         for u, port in prefill]
+        self.workers += [Worker(url=u, target=parse_worker_url(u), assigned_role=Role.DECODE) for u in decode]
+        self.workers += [Worker(url=u, target=parse_worker_url(u), assigned_role=Role.ENCODE, bootstrap_port=port)
+                         for u, port in encode]
         self.policy = policy or HealthPolicy()
         self._task: asyncio.Task[None] | None = None
 
@@ -193,7 +209,8 @@ class WorkerRegistry:
         """
         return cls(settings.worker_urls, HealthPolicy(interval_s=settings.worker_health_interval_s,
                                                       timeout_s=settings.worker_health_timeout_s,
-                                                      unhealthy_after=settings.worker_unhealthy_after))
+                                                      unhealthy_after=settings.worker_unhealthy_after),
+                   prefill=settings.prefill_workers, decode=settings.decode_workers, encode=settings.encode_workers)
 
     @property
     def health_interval_s(self) -> float:
@@ -266,8 +283,9 @@ class WorkerRegistry:
                                    f"no worker of this model takes {kind.value} input (wire: {wires}; "
                                    "docs/engines.md, capability matrix)", param)
 
-    def select(self, modalities: Iterable[Modality]) -> Worker:
-        """The least-loaded healthy worker that can take ``modalities`` and that this gateway has an adapter for.
+    def select(self, modalities: Iterable[Modality], role: Role = Role.SINGLE) -> Worker:
+        """The least-loaded healthy worker of ``role`` that can take ``modalities`` and that this gateway has an
+        adapter for (``role`` single: any worker not given a prefill/decode role with ``--prefill``/``--decode``).
 
         Raises:
             GatewayError(MULTIMODAL_NOT_SUPPORTED): healthy workers exist but none takes these modalities.
@@ -275,9 +293,10 @@ class WorkerRegistry:
                 (retryable 503).
         """
         wanted = list(modalities)
-        healthy = [w for w in self.workers if w.healthy]
+        healthy = [w for w in self.workers if w.healthy and _serves(w, role)]
         if not healthy:
-            raise GatewayError(ErrorCode.NO_HEALTHY_WORKER, "no healthy worker for this model")
+            what = "" if role is Role.SINGLE else f"{role.value} "
+            raise GatewayError(ErrorCode.NO_HEALTHY_WORKER, f"no healthy {what}worker for this model")
         capable = [w for w in healthy if w.accepts(wanted)]
         if not capable:
             names = ", ".join(sorted(m.value for m in wanted))

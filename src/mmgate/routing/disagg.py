@@ -1,0 +1,341 @@
+"""Prefill/decode disaggregation (``--pd-disaggregation``): pair selection and the two legs of one request.
+
+Stage: select worker -> assemble -> transport -> engine, for a pair.  In: a validated chat request and the
+gateway state; out: an :class:`~mmgate.api.answer.EngineAnswer` whose stream is the decode leg's.
+
+Per request (docs/disaggregation.md): the least-loaded healthy prefill worker and the least-loaded healthy
+decode worker of the same wire (SGLang or TokenSpeed) are picked; a bootstrap room is minted
+(:func:`mint_room`); the bootstrap host is the prefill worker's host, the port its ``--prefill URL
+BOOTSTRAP_PORT`` or else the ``disaggregation_bootstrap_port`` it reports.  The media are processed once,
+for the prefill leg; both legs are encoded by the wire's adapter (``Role.PREFILL`` with the tensors,
+``Role.DECODE`` with no pixels: SGLang no media, TokenSpeed items without encoder input; never through
+shared memory, so the decode leg never names a segment the prefill's lease unlinks) and sent together.
+The answer streams from the decode leg; the prefill leg's reply (its first token, which the decode engine
+continues from) is drained and dropped, and its shared-memory lease released when it ends.
+
+Encode disaggregation (``--epd-disaggregation``, TokenSpeed wire): each media item (prompt order) goes to an
+encode worker picked by ``--encode-policy`` (:func:`pick_encoder`; default rendezvous hashing on the item's
+content hash) in its own ``Encode`` RPC with its own room; the prefill leg carries ``encode_bootstrap_info``
+(per item: the encoder's host, bootstrap port, room) and items without encoder input; a text-only request
+sends no Encode.  The prefill drain and the Encode calls run as one task group (:func:`_side`): the first
+failure cancels the rest and the decode leg's wait, and an encode worker's failure is a retryable 503
+``engine_unavailable``; the request's shared-memory lease is released when that group ends.
+
+Refusals before anything is fetched, when a decode worker reports ``language_model_only``: M-RoPE models
+with media (``pd_decode_language_model_only_mrope``), ``n > 1`` (``..._n_samples``); and media references
+for worker-side processing are never forwarded in PD mode (``..._media_refs`` when such a decode worker
+would have to take them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from mmgate import metrics, timing_log
+from mmgate.api.capability import check_capable, media_kinds
+from mmgate.api.protocol import ChatCompletionRequest
+from mmgate.engines.adapter import TokenSpeedAdapter, WireAdapter
+from mmgate.engines.base import Bootstrap, EncodedRequest, EngineEvent, Role, Wire
+from mmgate.errors import ErrorCode, GatewayError
+from mmgate.routing.mm_processing import Mode
+from mmgate.routing.workers import Worker, WorkerRegistry
+from mmgate.transport.shm import ShmLease
+from mmgate.types import Modality, PreparedRequest
+
+if TYPE_CHECKING:
+    from mmgate.api.answer import EngineAnswer
+    from mmgate.api.app import GatewayState
+
+log = logging.getLogger("mmgate.routing")
+
+#: the wires whose PD handshake (bootstrap host/port/room, both legs together) this module runs
+PD_WIRES = frozenset({Wire.SGLANG, Wire.TOKENSPEED})
+#: SGLang's ``DisaggregatedParams.bootstrap_room`` is an int32 (TokenSpeed's a 63-bit int): rooms fit both
+ROOM_MAX = 2**31 - 1
+
+
+def mint_room() -> int:
+    """A random bootstrap room in 0..2**31-1 (SMG mints a random room per request; the SGLang wire's
+    field is int32, so the range is the one both wires carry)."""
+    return secrets.randbelow(ROOM_MAX + 1)
+
+
+def bootstrap_port(worker: Worker) -> int:
+    """The prefill worker's bootstrap port: ``--prefill URL BOOTSTRAP_PORT``, else its
+    ``disaggregation_bootstrap_port`` label.
+
+    Raises:
+        GatewayError(NO_HEALTHY_WORKER): neither is known (retryable 503).
+    """
+    if worker.bootstrap_port:
+        return worker.bootstrap_port
+    reported = worker.labels.get("disaggregation_bootstrap_port", "")
+    if reported.isdigit() and 0 < int(reported) < 65536:
+        return int(reported)
+    raise GatewayError(ErrorCode.NO_HEALTHY_WORKER,
+                       f"{worker.role} worker {worker.url} has no bootstrap port (give --prefill URL BOOTSTRAP_PORT)")
+
+
+def _uses_mrope(state: GatewayState) -> bool:
+    """Whether the served model positions media with M-RoPE (``mrope_section`` in its text config's rope)."""
+    config = state.runtime.bundle.config
+    for cfg in (config, config.get("text_config") or {}):
+        for key in ("rope_scaling", "rope_parameters"):
+            rope = cfg.get(key)
+            if isinstance(rope, dict) and rope.get("mrope_section"):
+                return True
+    return False
+
+
+def check_pd_request(state: GatewayState, req: ChatCompletionRequest) -> None:
+    """The refusals of PD mode that need nothing fetched: a language-model-only decode worker and a request it
+    cannot serve.
+
+    Raises:
+        GatewayError: 400 ``pd_decode_language_model_only_mrope`` / ``..._media_refs`` / ``..._n_samples``.
+    """
+    decoders = [w for w in state.workers.workers if w.assigned_role is Role.DECODE and w.caps is not None]
+    if not decoders or not all(w.caps is not None and w.caps.language_model_only for w in decoders):
+        return
+    has_media = bool(media_kinds(req))
+    if req.n > 1:
+        raise GatewayError(ErrorCode.PD_DECODE_LANGUAGE_MODEL_ONLY_N_SAMPLES,
+                           "the decode workers run the language model only: n > 1 cannot be served disaggregated",
+                           "n")
+    if has_media and _uses_mrope(state):
+        raise GatewayError(ErrorCode.PD_DECODE_LANGUAGE_MODEL_ONLY_MROPE,
+                           "the decode workers run the language model only and this model positions media with "
+                           "M-RoPE, which needs the media's grids on the decode leg", "messages")
+    if has_media and state.settings.mm_processing.value == Mode.WORKER.value:
+        raise GatewayError(ErrorCode.PD_DECODE_LANGUAGE_MODEL_ONLY_MEDIA_REFS,
+                           "the decode workers run the language model only: media references for worker-side "
+                           "processing cannot be served disaggregated", "messages")
+
+
+def select_pair(registry: WorkerRegistry, modalities: frozenset[Modality]) -> tuple[Worker, Worker]:
+    """The least-loaded healthy prefill worker and least-loaded healthy decode worker of the same PD wire.
+
+    Raises:
+        GatewayError(NO_HEALTHY_WORKER): no such pair (retryable 503), or MULTIMODAL_NOT_SUPPORTED.
+    """
+    prefill = registry.select(modalities, Role.PREFILL)
+    wire = prefill.wire
+    if Wire(wire) not in PD_WIRES:
+        raise GatewayError(ErrorCode.NO_HEALTHY_WORKER,
+                           f"prefill/decode disaggregation over the {wire} wire is not implemented "
+                           "(docs/disaggregation.md)")
+    decoders = [w for w in registry.workers if w.assigned_role is Role.DECODE and w.healthy and w.wire == wire]
+    if not decoders:
+        raise GatewayError(ErrorCode.NO_HEALTHY_WORKER, f"no healthy decode worker of the {wire} wire")
+    return prefill, min(decoders, key=lambda w: w.in_flight)
+
+
+async def _drain(responses: AsyncGenerator[EngineEvent, None]) -> None:
+    """Read the prefill leg to its end (its first token is the decode leg's too: dropped here)."""
+    try:
+        async for _ in responses:
+            pass
+    finally:
+        await responses.aclose()
+
+
+class _EncodeFailed(Exception):
+    """An encode worker's failure (a retryable 503 for the request)."""
+
+    def __init__(self, worker: Worker, cause: BaseException) -> None:
+        super().__init__(f"encode worker {worker.url} failed: {cause}")
+        self.worker = worker
+
+
+async def _encode_call(worker: Worker, request: EncodedRequest) -> None:
+    adapter = worker.adapter
+    assert isinstance(adapter, TokenSpeedAdapter) and worker.client is not None
+    method, parse = adapter.encode_rpc()
+    try:
+        await worker.client.unary(method, parse, request)
+    except GatewayError as exc:
+        raise _EncodeFailed(worker, exc) from exc
+
+
+async def _side(prefill: AsyncGenerator[EngineEvent, None],
+                encodes: list[tuple[Worker, Bootstrap, EncodedRequest]]) -> None:
+    """The legs whose answers the client never sees, together: the prefill drained and each item's Encode RPC;
+    the first failure cancels the others."""
+    async with asyncio.TaskGroup() as group:
+        group.create_task(_drain(prefill))
+        for worker, _, request in encodes:
+            group.create_task(_encode_call(worker, request))
+
+
+def _side_error(exc: BaseException | None) -> BaseException:
+    """The error the client gets for a failed prefill/encode side: an encode worker's failure is a retryable
+    503; the prefill's own error as mapped."""
+    leaves = list(exc.exceptions) if isinstance(exc, BaseExceptionGroup) else [exc]
+    for leaf in leaves:
+        if isinstance(leaf, _EncodeFailed):
+            return GatewayError(ErrorCode.ENGINE_UNAVAILABLE, str(leaf))
+    for leaf in leaves:
+        if isinstance(leaf, GatewayError):
+            return leaf
+    return GatewayError(ErrorCode.ENGINE_UNAVAILABLE, f"prefill leg failed: {leaves[0]}")
+
+
+_ROUND_ROBIN = itertools.count()
+
+
+def pick_encoder(workers: list[Worker], content_hash: str, policy: str) -> Worker:
+    """The encode worker of one item: ``consistent_hashing`` = rendezvous hashing on the item's content hash
+    (the same media always meets the same encoder while the set of healthy encoders stands),
+    ``round_robin`` or ``random``."""
+    if policy == "round_robin":
+        return workers[next(_ROUND_ROBIN) % len(workers)]
+    if policy == "random":
+        return workers[secrets.randbelow(len(workers))]
+    return max(workers, key=lambda w: hashlib.blake2b(f"{w.url}|{content_hash}".encode(), digest_size=8).digest())
+
+
+def _encode_legs(state: GatewayState, adapter: WireAdapter, message: PreparedRequest,
+                 lease: ShmLease) -> list[tuple[Worker, Bootstrap, EncodedRequest]]:
+    """One Encode RPC per item (prompt order), each with its encode worker's bootstrap and its own room;
+    none for a text-only request.
+
+    Raises:
+        GatewayError(NO_HEALTHY_WORKER): items but no healthy encode worker of the TokenSpeed wire.
+    """
+    if not isinstance(adapter, TokenSpeedAdapter):
+        raise GatewayError(ErrorCode.NO_HEALTHY_WORKER, "encode disaggregation runs on the tokenspeed wire only")
+    hashes = adapter.item_hashes(message)
+    if not hashes:
+        return []
+    encoders = [w for w in state.workers.workers
+                if w.assigned_role is Role.ENCODE and w.healthy and w.wire == Wire.TOKENSPEED.value]
+    if not encoders:
+        raise GatewayError(ErrorCode.NO_HEALTHY_WORKER, "no healthy encode worker")
+    legs = []
+    for index, content_hash in enumerate(hashes):
+        worker = pick_encoder(encoders, content_hash, state.settings.encode_policy)
+        boot = Bootstrap(worker.target.rpartition(":")[0], bootstrap_port(worker), mint_room())
+        plan = adapter.plan(state.settings.transport, worker.labels)
+        legs.append((worker, boot, adapter.encode_item(message, index, boot, plan, lease)))
+    return legs
+
+
+async def start_pd(state: GatewayState, req: ChatCompletionRequest, request_id: str,
+                   record: timing_log.RequestTiming | None) -> EngineAnswer:
+    """Run ``req`` disaggregated up to the decode leg's first response (see the module docstring).
+
+    Raises:
+        GatewayError: a refusal, a selection failure, or either leg's failure (the prefill's when it failed
+            first; a leg that is down gives a retryable 503).
+    """
+    from mmgate.api.answer import EngineAnswer, _router_counts, timing_header
+
+    check_pd_request(state, req)
+    check_capable(state, req)
+    pair: list[tuple[Worker, Worker]] = []
+
+    def choose_worker(modalities: frozenset[Modality]) -> bool:
+        prefill, decode = select_pair(state.workers, modalities)
+        pair.append((prefill, decode))
+        adapter = prefill.adapter
+        assert adapter is not None
+        return adapter.plan(state.settings.transport, prefill.labels).device_normalize
+
+    prepared = await state.pipeline.prepare(req, request_id, choose_worker=choose_worker, defer_pixels=True)
+    if not pair:  # a text-only request: choose_worker is not called for it
+        choose_worker(frozenset())
+    prefill, decode = pair[0]
+    adapter, decode_adapter = prefill.adapter, decode.adapter
+    assert adapter is not None and decode_adapter is not None and prefill.client is not None
+    assert decode.client is not None
+    timings = prepared.timings_ms
+    plan = adapter.plan(state.settings.transport, prefill.labels)
+    decode_plan = replace(decode_adapter.plan(state.settings.transport, decode.labels), shm=False)
+    host = prefill.target.rpartition(":")[0]
+    boot = Bootstrap(host, bootstrap_port(prefill), mint_room())
+    grant = await state.budget.acquire(sum(b.nbytes for b in prepared.batches))
+    lease = ShmLease()
+    release_prefill = prefill.hold()
+    release_decode = decode.hold()
+    drain: asyncio.Task[None] | None = None
+    encodes: list[tuple[Worker, Bootstrap, EncodedRequest]] = []
+
+    def release() -> None:
+        release_decode()
+        if drain is None or drain.done():
+            release_prefill()
+            lease.release()
+        grant.release()
+
+    try:
+        message = prepared
+        if not adapter.places_pending or state.settings.epd_disaggregation:
+            with metrics.stage("preprocess", timings):
+                message = await adapter.materialize(prepared)
+        encodes = _encode_legs(state, adapter, message, lease) if state.settings.epd_disaggregation else []
+        with metrics.stage("assemble", timings):
+            if encodes:
+                assert isinstance(adapter, TokenSpeedAdapter)
+                prefill_leg = adapter.encode_epd_prefill(message, plan, lease, boot, [b for _, b, _ in encodes])
+            else:
+                prefill_leg = adapter.encode(message, Role.PREFILL, plan, lease, bootstrap=boot)
+            decode_leg = decode_adapter.encode(message, Role.DECODE, decode_plan, None, bootstrap=boot)
+        if prefill_leg.pending:
+            with metrics.stage("preprocess", timings):
+                await prefill_leg.fill()
+        metrics.PROMPT_TOKENS.inc(len(prepared.input_ids))
+        prefill_stream = prefill.client.generate(prefill_leg, Role.PREFILL)
+        drain = asyncio.create_task(_side(prefill_stream, encodes))
+
+        def prefill_done(task: asyncio.Task[None]) -> None:
+            release_prefill()
+            lease.release()
+            if not task.cancelled() and task.exception() is not None:
+                log.warning("prefill/encode legs of %s failed: %s", request_id, task.exception())
+
+        drain.add_done_callback(prefill_done)
+        responses = decode.client.generate(decode_leg, Role.DECODE)
+    except BaseException:
+        if drain is not None:
+            drain.cancel()
+        release()
+        raise
+    start = time.perf_counter()
+    first_call: asyncio.Task[EngineEvent] = asyncio.ensure_future(anext(responses))
+    try:
+        await asyncio.wait({first_call, drain}, return_when=asyncio.FIRST_COMPLETED)
+        if not first_call.done() and drain.exception() is not None:
+            first_call.cancel()  # an encode or prefill leg failed: the decode leg would wait for a handoff
+            raise _side_error(drain.exception())
+        first = await first_call
+        timings["engine_first_response"] = (time.perf_counter() - start) * 1000.0
+    except BaseException as exc:
+        if not first_call.done():
+            first_call.cancel()
+        with contextlib.suppress(BaseException):
+            await first_call
+        await responses.aclose()
+        failed = drain.done() and not drain.cancelled() and drain.exception() is not None
+        if not drain.done():
+            drain.cancel()
+        with contextlib.suppress(BaseException):
+            await drain
+        release()
+        if failed and isinstance(exc, GatewayError):
+            raise _side_error(drain.exception()) from None  # the prefill's (or encoder's) failure explains it
+        raise
+    counts, original = _router_counts(prepared)
+    timing_log.request_done(record, mode=Mode.ROUTER.value, counts=counts, timings=timings,
+                            original_tokens=original, expanded_tokens=len(prepared.input_ids), handed_over=start)
+    headers = {"X-Mmgate-Stage-Ms": timing_header(timings), "X-Request-Id": prepared.request_id,
+               "X-Mmgate-Pd-Room": str(boot.room)}
+    return EngineAnswer(prepared, first, responses, release, headers)
