@@ -26,7 +26,7 @@ How to add a family: docs/families.md (worked example: LLaVA-1.5).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -52,7 +52,7 @@ from mmgate.types import (
     VideoPlan,
 )
 
-__all__ = ["Family", "FamilyClass", "ImageProcessor", "MediaProcessor", "RowSink", "RowWriter", "VideoProcessor",
+__all__ = ["Family", "FamilyClass", "ImageOnlyFamily", "ImageProcessor", "MediaProcessor", "RowSink", "RowWriter", "VideoProcessor",
            "assemble", "combine", "deferrable", "primary_spec"]
 
 
@@ -189,6 +189,39 @@ class Family(Protocol):
     def video(self) -> VideoProcessor | None:
         """The video processor (None: no video here, e.g. PyAV missing)."""
         ...
+
+
+P = TypeVar("P", bound=ImageProcessor)
+
+
+class ImageOnlyFamily(Generic[P]):
+    """The part every images-only family shares: its image processor, its per-request image limit
+    and the token strings caller text may not hold; no video.  A subclass sets ``model_types`` and
+    writes ``from_bundle`` (LLaVA-1.5, LLaVA-NeXT, Gemma 3)."""
+
+    model_types: tuple[str, ...] = ()
+    limits: Mapping[Modality, int] = {}
+
+    def __init__(self, images: P, limit: int, reserved: tuple[str, ...]) -> None:
+        self._images = images
+        self.limits = {Modality.IMAGE: limit}
+        self._reserved = reserved
+
+    @property
+    def fingerprint(self) -> str:
+        return self._images.fingerprint
+
+    @property
+    def reserved_tokens(self) -> tuple[str, ...]:
+        return self._reserved
+
+    @property
+    def image(self) -> P:
+        return self._images
+
+    @property
+    def video(self) -> None:
+        return None
 
 
 class FamilyClass(Protocol):

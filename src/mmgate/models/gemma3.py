@@ -61,6 +61,7 @@ from mmgate.chat.tokenizer import BundleTokenizer
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.models import geometry
 from mmgate.models.bundle import ModelBundle
+from mmgate.models.family import ImageOnlyFamily
 from mmgate.models.image_rows import RowNormalizer
 from mmgate.settings import ImageBackend
 from mmgate.types import (
@@ -378,7 +379,7 @@ class Gemma3Images:
                            text=text, trail=2)
 
 
-class Gemma3Family:
+class Gemma3Family(ImageOnlyFamily[Gemma3Images]):
     """Gemma 3 (``gemma3``): images; no video."""
 
     model_types = ("gemma3",)
@@ -387,10 +388,6 @@ class Gemma3Family:
     token_keys = (("boi", "boi_token", "boi_token_index", "<start_of_image>"),
                   ("eoi", "eoi_token", "eoi_token_index", "<end_of_image>"),
                   ("image", "image_token", "image_token_index", "<image_soft_token>"))
-
-    def __init__(self, images: Gemma3Images, texts: Mapping[str, str]) -> None:
-        self._images = images
-        self._reserved = (texts["boi"], texts["eoi"], texts["image"])
 
     @classmethod
     def from_bundle(cls, bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageBackend,
@@ -416,24 +413,8 @@ class Gemma3Family:
         intro_tokens = len(tokenizer.tokenizer.encode(intro, add_special_tokens=False).ids)
         images = Gemma3Images(bundle.model_type, image_params_from_bundle(bundle), tokens, texts, intro_tokens,
                               geometry.resolve_backend(backend))
-        return cls(images, texts)
-
-    @property
-    def fingerprint(self) -> str:
-        return self._images.fingerprint
-
-    @property
-    def reserved_tokens(self) -> tuple[str, ...]:
-        """``<start_of_image>``, ``<end_of_image>``, ``<image_soft_token>``: caller text may not hold them."""
-        return self._reserved
-
-    @property
-    def image(self) -> Gemma3Images:
-        return self._images
-
-    @property
-    def video(self) -> None:
-        return None
+        # ``<start_of_image>``, ``<end_of_image>``, ``<image_soft_token>``: caller text may not hold them
+        return cls(images, cls.limits[Modality.IMAGE], (texts["boi"], texts["eoi"], texts["image"]))
 
 
 FAMILY = Gemma3Family

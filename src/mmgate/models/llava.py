@@ -51,6 +51,7 @@ from mmgate.chat.tokenizer import BundleTokenizer
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.models import geometry
 from mmgate.models.bundle import ModelBundle
+from mmgate.models.family import ImageOnlyFamily
 from mmgate.models.image_rows import RowNormalizer
 from mmgate.settings import ImageBackend
 from mmgate.types import (
@@ -346,15 +347,11 @@ class ClipCropImages:
                            embed_length=plan.num_tokens)
 
 
-class LlavaFamily:
+class LlavaFamily(ImageOnlyFamily[ClipCropImages]):
     """LLaVA-1.5 (``LlavaForConditionalGeneration`` with a CLIP tower): images only."""
 
     model_types = ("llava",)
     limits: Mapping[Modality, int] = {Modality.IMAGE: DEFAULT_IMAGE_LIMIT}
-
-    def __init__(self, images: ClipCropImages, limit: int) -> None:
-        self._image = images
-        self.limits = {Modality.IMAGE: limit}
 
     @classmethod
     def from_bundle(cls, bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageBackend,
@@ -372,24 +369,7 @@ class LlavaFamily:
                                "supported for llava (CLIPImageProcessor only)")
         images = ClipCropImages(bundle.model_type, clip_params(cfg, bundle.name), image_tokens(bundle, tokenizer),
                                 geometry.resolve_backend(backend))
-        return cls(images, image_limit(bundle, images.num_tokens))
-
-    @property
-    def fingerprint(self) -> str:
-        return self._image.fingerprint
-
-    @property
-    def reserved_tokens(self) -> tuple[str, ...]:
-        """``<image>``: caller text may never contain it."""
-        return (self._image.tokens.token,)
-
-    @property
-    def image(self) -> ClipCropImages:
-        return self._image
-
-    @property
-    def video(self) -> None:
-        return None
+        return cls(images, image_limit(bundle, images.num_tokens), (images.tokens.token,))
 
 
 FAMILY = LlavaFamily

@@ -47,6 +47,7 @@ from mmgate.chat.tokenizer import BundleTokenizer
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.models import geometry
 from mmgate.models.bundle import ModelBundle
+from mmgate.models.family import ImageOnlyFamily
 from mmgate.models.llava import (
     DEFAULT_IMAGE_LIMIT,
     ClipParams,
@@ -217,15 +218,11 @@ class AnyresImages:
                            embed_length=plan.num_tokens)
 
 
-class LlavaNextFamily:
+class LlavaNextFamily(ImageOnlyFamily[AnyresImages]):
     """LLaVA-NeXT (``LlavaNextForConditionalGeneration``, anyres CLIP tiles): images only."""
 
     model_types = ("llava_next",)
     limits: Mapping[Modality, int] = {Modality.IMAGE: DEFAULT_IMAGE_LIMIT}
-
-    def __init__(self, images: AnyresImages, limit: int) -> None:
-        self._image = images
-        self.limits = {Modality.IMAGE: limit}
 
     @classmethod
     def from_bundle(cls, bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageBackend,
@@ -253,24 +250,7 @@ class LlavaNextFamily:
                                f"(size {cfg.get('size')}, crop_size {cfg.get('crop_size')}, pinpoints {pinpoints})")
         images = AnyresImages(bundle.model_type, params, tile, pinpoints, image_tokens(bundle, tokenizer),
                               geometry.resolve_backend(backend))
-        return cls(images, image_limit(bundle, images.tokens.features(tile, tile)))
-
-    @property
-    def fingerprint(self) -> str:
-        return self._image.fingerprint
-
-    @property
-    def reserved_tokens(self) -> tuple[str, ...]:
-        """``<image>``: caller text may never contain it."""
-        return (self._image.tokens.token,)
-
-    @property
-    def image(self) -> AnyresImages:
-        return self._image
-
-    @property
-    def video(self) -> None:
-        return None
+        return cls(images, image_limit(bundle, images.tokens.features(tile, tile)), (images.tokens.token,))
 
 
 FAMILY = LlavaNextFamily
