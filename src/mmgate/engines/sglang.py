@@ -57,10 +57,9 @@ from mmgate.engines.base import (
     Bootstrap,
     EncodedRequest,
     EngineEvent,
-    Logprobs,
     Role,
-    TopLogprobs,
 )
+from mmgate.engines.responses import response_events
 from mmgate.engines.rpc_errors import map_rpc_error as common_map_rpc_error
 from mmgate.engines.rpc_errors import parse_carried_error
 from mmgate.errors import ErrorCode, GatewayError
@@ -385,14 +384,6 @@ def encode_generate_request(prepared: PreparedRequest, role: Role, bootstrap: Bo
     return EncodedRequest(data, ((tail.pending, target),))
 
 
-def _logprobs(msg: pb.GenerateStreamChunk | pb.GenerateComplete) -> Logprobs | None:
-    if not msg.HasField("output_logprobs"):
-        return None
-    lp = msg.output_logprobs
-    return Logprobs(token_ids=tuple(lp.token_ids), token_logprobs=tuple(lp.token_logprobs),
-                    top_logprobs=tuple(TopLogprobs(tuple(t.token_ids), tuple(t.values)) for t in lp.top_logprobs))
-
-
 def events(resp: pb.GenerateResponse) -> list[EngineEvent]:
     """One response message -> neutral events (``_create_chunk_response`` / ``_create_completion_response``,
     l.1230-1321): a chunk's new ``token_ids``; a completion's ``output_ids``, ``finish_reason``
@@ -400,21 +391,7 @@ def events(resp: pb.GenerateResponse) -> list[EngineEvent]:
     request the completion repeats the last chunk's tokens (``output_ids`` of the finished output,
     l.295-298; the vLLM servicer does the same): a consumer takes a streamed choice's ids from its
     chunks.  A message with neither (never sent by the servicer) gives no event."""
-    kind = resp.WhichOneof("response")
-    if kind == "chunk":
-        c = resp.chunk
-        return [EngineEvent(kind="chunk", index=c.index, token_ids=tuple(c.token_ids), prompt_tokens=c.prompt_tokens,
-                            completion_tokens=c.completion_tokens, cached_tokens=c.cached_tokens,
-                            logprobs=_logprobs(c))]
-    if kind == "complete":
-        d = resp.complete
-        matched = d.WhichOneof("matched_stop")
-        return [EngineEvent(kind="complete", index=d.index, token_ids=tuple(d.output_ids),
-                            prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens,
-                            cached_tokens=d.cached_tokens, logprobs=_logprobs(d), finish_reason=d.finish_reason,
-                            matched_token_id=d.matched_token_id if matched == "matched_token_id" else None,
-                            matched_stop_str=d.matched_stop_str if matched == "matched_stop_str" else None)]
-    return []
+    return response_events(resp)
 
 
 def map_rpc_error(exc: grpc.aio.AioRpcError | grpc.RpcError) -> GatewayError:

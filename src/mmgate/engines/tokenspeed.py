@@ -49,7 +49,8 @@ from smg_grpc_proto.generated import (
 )
 
 from mmgate import metrics, timing_log
-from mmgate.engines.base import Bootstrap, EngineEvent, Logprobs, Role, TopLogprobs
+from mmgate.engines.base import Bootstrap, EngineEvent, Role
+from mmgate.engines.responses import response_events
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.transport import shm
 from mmgate.transport.dtypes import EncoderDtype, convert_encoder_input
@@ -420,14 +421,6 @@ def build_encode_request(req: PreparedRequest, item_index: int, bootstrap: Boots
 
 # --- responses ---------------------------------------------------------------------------------------
 
-def _logprobs(message: tokenspeed_scheduler_pb2.GenerateStreamChunk | tokenspeed_scheduler_pb2.GenerateComplete,
-              ) -> Logprobs | None:
-    if not message.HasField("output_logprobs"):
-        return None
-    lp = message.output_logprobs
-    return Logprobs(token_ids=tuple(lp.token_ids), token_logprobs=tuple(lp.token_logprobs),
-                    top_logprobs=tuple(TopLogprobs(tuple(t.token_ids), tuple(t.values)) for t in lp.top_logprobs))
-
 
 def events(resp: tokenspeed_scheduler_pb2.GenerateResponse) -> list[EngineEvent]:
     """The neutral events of one ``GenerateResponse`` (one ``chunk`` or one ``complete``; none if empty).
@@ -437,17 +430,4 @@ def events(resp: tokenspeed_scheduler_pb2.GenerateResponse) -> list[EngineEvent]
     ``length`` or ``abort``; the stop that ended a choice is ``matched_token_id`` or
     ``matched_stop_str`` (neither for EOS).
     """
-    kind = resp.WhichOneof("response")
-    if kind == "chunk":
-        c = resp.chunk
-        return [EngineEvent(kind="chunk", index=c.index, token_ids=tuple(c.token_ids), prompt_tokens=c.prompt_tokens,
-                            completion_tokens=c.completion_tokens, cached_tokens=c.cached_tokens, logprobs=_logprobs(c))]
-    if kind == "complete":
-        d = resp.complete
-        matched = d.WhichOneof("matched_stop")
-        return [EngineEvent(kind="complete", index=d.index, token_ids=tuple(d.output_ids),
-                            prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens,
-                            cached_tokens=d.cached_tokens, logprobs=_logprobs(d), finish_reason=d.finish_reason,
-                            matched_token_id=d.matched_token_id if matched == "matched_token_id" else None,
-                            matched_stop_str=d.matched_stop_str if matched == "matched_stop_str" else None)]
-    return []
+    return response_events(resp)

@@ -29,7 +29,8 @@ import numpy as np
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
 
 from mmgate import metrics, timing_log
-from mmgate.engines.base import EncodedRequest, EngineEvent, Logprobs, TopLogprobs
+from mmgate.engines.base import EncodedRequest, EngineEvent
+from mmgate.engines.responses import response_events
 from mmgate.engines.rpc_errors import (
     carried_error_details,
     map_rpc_error,
@@ -364,15 +365,6 @@ def build_media_ref_request(req: PreparedRequest, refs: Sequence[MediaRef]) -> v
     return msg
 
 
-def _logprobs(msg: vllm_engine_pb2.GenerateStreamChunk | vllm_engine_pb2.GenerateComplete) -> Logprobs | None:
-    """``output_logprobs`` (``OutputLogProbs``: per position its token, log probability and top k), or None."""
-    if not msg.HasField("output_logprobs"):
-        return None
-    wire = msg.output_logprobs
-    return Logprobs(token_ids=tuple(wire.token_ids), token_logprobs=tuple(wire.token_logprobs),
-                    top_logprobs=tuple(TopLogprobs(tuple(t.token_ids), tuple(t.values)) for t in wire.top_logprobs))
-
-
 def events(resp: vllm_engine_pb2.GenerateResponse) -> list[EngineEvent]:
     """One ``GenerateResponse`` (``vllm_engine.proto``: a ``chunk`` or a ``complete`` of choice ``index``) as
     engine events: none for an empty response, else one.
@@ -380,20 +372,5 @@ def events(resp: vllm_engine_pb2.GenerateResponse) -> list[EngineEvent]:
     ``complete``: ``output_ids``, ``finish_reason``, the ``matched_stop`` oneof (unset for EOS: the
     servicer leaves it empty), the counts, and ``kv_transfer_params_json`` when a prefill leg sets it.
     """
-    kind = resp.WhichOneof("response")
-    if kind == "chunk":
-        c = resp.chunk
-        return [EngineEvent(kind="chunk", index=c.index, token_ids=tuple(c.token_ids), prompt_tokens=c.prompt_tokens,
-                            completion_tokens=c.completion_tokens, cached_tokens=c.cached_tokens,
-                            logprobs=_logprobs(c))]
-    if kind != "complete":
-        return []
-    d = resp.complete
-    matched = d.WhichOneof("matched_stop")
-    return [EngineEvent(
-        kind="complete", index=d.index, token_ids=tuple(d.output_ids), prompt_tokens=d.prompt_tokens,
-        completion_tokens=d.completion_tokens, cached_tokens=d.cached_tokens, logprobs=_logprobs(d),
-        finish_reason=d.finish_reason,
-        matched_token_id=d.matched_token_id if matched == "matched_token_id" else None,
-        matched_stop_str=d.matched_stop_str if matched == "matched_stop_str" else None,
-        kv_transfer_params=d.kv_transfer_params_json if d.HasField("kv_transfer_params_json") else None)]
+    return response_events(resp, lambda d: {
+        "kv_transfer_params": d.kv_transfer_params_json if d.HasField("kv_transfer_params_json") else None})
