@@ -194,7 +194,10 @@ class WorkerClient:
             raise GatewayError(ErrorCode.NO_HEALTHY_WORKER, f"no engine adapter for worker {self.target}")
         call = self._stream(adapter, role)(request.data, timeout=timeout_s)
         try:
-            async for resp in call:
+            # ``read()``, not ``async for``: grpc.aio's iterator is an async generator that refers back to its call
+            # (``_StreamResponseMixin.__aiter__``), a cycle that keeps the call, and the request bytes it holds,
+            # alive until the next garbage collection: with inline tensors, tens of MB per request.
+            while (resp := await call.read()) is not grpc.aio.EOF:
                 self.last_answer = time.monotonic()
                 for event in adapter.events(resp):
                     yield event
