@@ -22,7 +22,8 @@ text, ``max_tokens`` 1), split in ``--rounds`` rounds that alternate which gatew
 goes first, from an ``httpx.AsyncClient`` pool of ``c`` connections (closed loop).
 Reported: requests/s, p50/p99 latency, the peak RSS of each gateway's process
 tree (``/proc/<pid>/status`` VmRSS summed over the tree, sampled every 20 ms
-while it is measured; lifetime VmHWM at the end), and the ratios mmgate/smg.
+while it is measured; idle RSS once both are ready, before any request; lifetime VmHWM at the end),
+and the ratios mmgate/smg.
 
 Run (each invocation stays under about 5 minutes on 2 cores):
     python benchmarks/e2e_gateway.py --transport inline shm --images 640x480 --json bench-out/e2e-640.json
@@ -248,11 +249,14 @@ def run_transport(args: argparse.Namespace, transport: str, bundle: Path, served
         children["smg"] = start_smg(Path(args.smg), bundle, worker.port, transport_args, log_dir,
                                     Path(args.turbojpeg_dir) if args.turbojpeg_dir else None, served)
         bases = {n: f"http://127.0.0.1:{c.port}" for n, c in children.items()}
+        time.sleep(1.0)  # both ready: idle RSS before any request
+        idle = {n: tree_kb(c.proc.pid, "VmRSS") / 1024 for n, c in children.items()}
+        print(f"[{transport}] idle RSS MB: " + "  ".join(f"{n} {v:.0f}" for n, v in idle.items()), file=sys.stderr)
         assert wlog is not None
         validation = validate(bases, served, jpegs, wlog, strict=not args.no_strict)
         if args.validate_only:
             return {"transport": transport, "mmgate_ran": run_mmgate, "mmgate_transport_flags": mmgate_flags,
-                    "validation": validation, "cells": [], "vmhwm_mb": {}, "dev_shm_leftovers": []}
+                    "validation": validation, "cells": [], "vmhwm_mb": {}, "idle_rss_mb": idle, "dev_shm_leftovers": []}
         if args.py_spy and "mmgate" in children:
             spy_out = log_dir / f"mmgate-{transport}.pyspy.txt"
             spy = subprocess.Popen([args.py_spy, "record", "--pid", str(children["mmgate"].proc.pid), "--rate", "200",
@@ -306,7 +310,7 @@ def run_transport(args: argparse.Namespace, transport: str, bundle: Path, served
     leaked = sorted(set(os.listdir("/dev/shm")) - shm_before)
     return {"transport": transport, "mmgate_ran": run_mmgate, "mmgate_transport_flags": mmgate_flags,
             "validation": validation, "cells": [c.summary() for c in results], "vmhwm_mb": hwm,
-            "dev_shm_leftovers": leaked}
+            "idle_rss_mb": idle, "dev_shm_leftovers": leaked}
 
 
 def table(phases: list[dict[str, Any]]) -> str:
@@ -402,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\nmmgate stage medians (ms, X-Mmgate-Stage-Ms):")
         print(stages)
     for ph in phases:
-        print(f"{ph['transport']}: lifetime VmHWM MB {ph['vmhwm_mb']}; /dev/shm leftovers: {len(ph['dev_shm_leftovers'])}")
+        print(f"{ph['transport']}: idle RSS MB {ph['idle_rss_mb']}; lifetime VmHWM MB {ph['vmhwm_mb']}; "
+              f"/dev/shm leftovers: {len(ph['dev_shm_leftovers'])}")
     print(f"total {time.perf_counter() - t0:.0f}s.  ratios: mmgate/smg (req/s > 1: mmgate faster; "
           "latency and RSS < 1: mmgate better)")
     write_json(args.json, {"benchmark": "e2e_gateway", "env": env, "args": vars(args), "phases": phases})

@@ -86,6 +86,7 @@ def build_state(settings: Settings) -> GatewayState:
     if swept:
         log.info("removed %d shared-memory segments left by dead processes", swept)
     log.info("serving %s (model_type %s, image backend %s)", runtime.served_name, bundle.model_type, backend.value)
+    memory.release_startup_garbage()
     return GatewayState(settings=settings, runtime=runtime,
                         pipeline=Pipeline(runtime, settings, fetcher, executor, cache, parallelism=threads),
                         workers=WorkerRegistry.from_settings(settings), fetcher=fetcher, executor=executor,
