@@ -25,6 +25,7 @@ import pytest
 import torch
 from PIL import Image
 
+from mmgate import metrics
 from mmgate.api.protocol import parse_chat_request
 from mmgate.engines.base import Bootstrap, Role
 from mmgate.engines.sglang import (
@@ -348,3 +349,25 @@ def test_the_fake_answers_the_probe_rpcs(worker: FakeWorker) -> None:
     assert (info.model_type, info.supports_vision) == ("qwen2_5_vl", True)
     server = worker.stub.GetServerInfo(pb.GetServerInfoRequest())
     assert server.server_args["disaggregation_mode"] == "null"
+
+
+def test_each_leg_counts_its_encoder_tensors_in_the_metrics() -> None:
+    """``smg_mm_tensors_total`` / ``smg_mm_tensor_bytes_total`` with ``runtime="sglang"``, ``path="inline"``:
+    a prefill leg counts ``pixel_values`` and ``image_grid_thw`` at their wire sizes (pending pixels too), a
+    decode leg nothing."""
+    def counted() -> tuple[float, float]:
+        return (metrics.REGISTRY.get_sample_value("smg_mm_tensors_total", {"runtime": "sglang", "path": "inline"})
+                or 0.0,
+                metrics.REGISTRY.get_sample_value("smg_mm_tensor_bytes_total", {"runtime": "sglang", "path": "inline"})
+                or 0.0)
+
+    want = image_reference(QWEN2_5)
+    want_bytes = float(want["pixel_values"].astype(np.float32).nbytes + want["image_grid_thw"].astype(np.int64).nbytes)
+    for defer in (False, True):
+        prepared = _prepare(QWEN2_5, image_parts(), f"metrics-{defer}", defer=defer)
+        before = counted()
+        encode_generate_request(prepared, Role.PREFILL, BOOT)
+        after = counted()
+        assert (after[0] - before[0], after[1] - before[1]) == (2.0, want_bytes)
+        encode_generate_request(prepared, Role.DECODE, BOOT)
+        assert counted() == after

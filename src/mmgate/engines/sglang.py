@@ -53,6 +53,7 @@ import grpc
 import numpy as np
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
+from mmgate import metrics
 from mmgate.engines.base import (
     Bootstrap,
     EncodedRequest,
@@ -357,6 +358,20 @@ def _tail_prefix(nbytes: int) -> bytes:
     return b"".join((b"\x1a", _varint(outer), b"\x22", _varint(inner), b"\x0a", _varint(nbytes)))
 
 
+def _count_sent(msg: pb.GenerateRequest, tail: _Tail | None) -> None:
+    """Count the encoder tensors of a leg in ``smg_mm_tensors_total`` / ``smg_mm_tensor_bytes_total``
+    (``runtime="sglang"``, ``path="inline"``: the SGLang wire has no shared memory), as the vLLM and
+    TokenSpeed adapters count theirs."""
+    if not msg.HasField("mm_inputs"):
+        return
+    for td in msg.mm_inputs.model_specific_tensors.values():
+        metrics.tensor_sent(ENGINE, "inline", len(td.data))
+    if tail is not None:
+        metrics.tensor_sent(ENGINE, "inline", tail.nbytes)
+    elif msg.mm_inputs.HasField("pixel_values"):
+        metrics.tensor_sent(ENGINE, "inline", len(msg.mm_inputs.pixel_values.data))
+
+
 def encode_generate_request(prepared: PreparedRequest, role: Role, bootstrap: Bootstrap | None = None,
                             encoder_dtype: EncoderDtype = EncoderDtype.FLOAT32) -> EncodedRequest:
     """The serialized ``GenerateRequest``; ``await EncodedRequest.fill()`` computes pending pixels into it.
@@ -365,13 +380,15 @@ def encode_generate_request(prepared: PreparedRequest, role: Role, bootstrap: Bo
     ``mm_inputs { pixel_values { data } }`` record, which protobuf merges into the first (the
     parsed message equals :func:`build_generate_request`'s, tested).  A :class:`PendingTensor`
     is computed straight into that record (converted to ``encoder_dtype`` block by block); an
-    array is copied into it once.  The SGLang wire has no shared memory: nothing to release.
+    array is copied into it once.  The SGLang wire has no shared memory: nothing to release.  Each encoder
+    tensor of the leg is counted in ``smg_mm_tensors_total{runtime="sglang",path="inline"}`` (and its bytes).
 
     Raises:
         GatewayError: as :func:`build_generate_request`.
     """
     msg, tail = _build(prepared, role, bootstrap, encoder_dtype, defer=True)
     head = msg.SerializeToString()
+    _count_sent(msg, tail)
     if tail is None:
         return EncodedRequest(head)
     prefix = head + _tail_prefix(tail.nbytes)
