@@ -270,12 +270,13 @@ def test_vllm_responses_become_neutral_events() -> None:
     assert vllm.events(vllm_engine_pb2.GenerateResponse()) == []
 
 
-def test_the_vllm_adapter_encodes_single_legs_only() -> None:
+def test_the_vllm_adapter_encodes_single_prefill_and_decode_legs() -> None:
     adapter = VllmAdapter()
     assert adapter.service == SERVICES[Wire.VLLM].service == "vllm.grpc.engine.VllmEngine"
     assert adapter.rpc(Role.SINGLE)[0] == "/vllm.grpc.engine.VllmEngine/Generate"
-    with pytest.raises(ValueError, match="decode"):
-        adapter.check_role(Role.DECODE)
+    assert adapter.roles == {Role.SINGLE, Role.PREFILL, Role.DECODE} and adapter.sequential_pd
+    with pytest.raises(ValueError, match="not encode"):
+        adapter.check_role(Role.ENCODE)
 
 
 def test_a_wire_without_shm_handles_never_plans_shared_memory() -> None:

@@ -370,3 +370,75 @@ def test_the_command_line_names_wire_role_and_handoff() -> None:
         (Wire.VLLM, Role.SINGLE)
     with pytest.raises(SystemExit):  # the encoder service is TokenSpeed's
         parse_args(["--model", "m", "--wire", "sglang", "--role", "encode"], environ={})
+
+
+# ---- the gateway's vLLM PD legs (engines/vllm.py) and a language-model-only engine -----------------------
+
+def test_the_gateways_vllm_legs_pair_on_the_engines_and_carry_pixels_on_the_prefill_only(engines: Engines) -> None:
+    import json
+
+    from smg_grpc_proto.generated import vllm_engine_pb2
+
+    from mmgate.engines import vllm
+    from mmgate.engines.adapter import ADAPTERS
+    from mmgate.transport.policy import INLINE_FLOAT32
+
+    want = vllm_single_ids(engines, QWEN3)
+    adapter = ADAPTERS[Wire.VLLM]
+    prep = request(QWEN3, "gateway-legs", stop_token_ids=(1,), min_tokens=2)
+    p_msg = vllm_engine_pb2.GenerateRequest.FromString(adapter.encode(prep, Role.PREFILL, INLINE_FLOAT32, None).data)
+    # SMG's sanitize_sampling_for_prefill(1) + set_stream(false) + NIXL_PREFILL_KV_PARAMS
+    s = p_msg.sampling_params
+    assert (s.max_tokens, s.min_tokens, s.n, list(s.stop_token_ids), s.ignore_eos) == (1, 0, 1, [], True)
+    assert json.loads(p_msg.kv_transfer_params_json) == {"do_remote_decode": True, "do_remote_prefill": False}
+    assert p_msg.mm_inputs.HasField("pixel_values") and not p_msg.stream
+    prefill = generate(engines.get(QWEN3, Wire.VLLM, Role.PREFILL), Wire.VLLM, p_msg)
+    params = completes(prefill)[-1].kv_transfer_params_json
+    assert json.loads(params)["do_remote_prefill"] is True
+    prep = request(QWEN3, "gateway-legs")
+    d_msg = vllm_engine_pb2.GenerateRequest.FromString(
+        adapter.encode(prep, Role.DECODE, INLINE_FLOAT32, None, kv_transfer_params=params).data)
+    assert d_msg.kv_transfer_params_json == params and d_msg.sampling_params.max_tokens == 8
+    # identity only: hashes, placeholders, the grids; no pixels, nothing in shared memory
+    mm = d_msg.mm_inputs
+    assert not mm.HasField("pixel_values") and set(mm.model_specific_tensors) == {"image_grid_thw", "patches_per_image"}
+    assert list(mm.mm_hashes) == list(prep.batches[0].mm_hashes) and len(mm.mm_placeholders) == 2
+    assert all(t.WhichOneof("payload") != "shm" for t in mm.model_specific_tensors.values())
+    assert "pixel_values" not in mm.flat_keys and "pixel_values" not in mm.batched_keys
+    assert output_ids(generate(engines.get(QWEN3, Wire.VLLM, Role.DECODE), Wire.VLLM, d_msg)) == want
+    # a language-model-only decode worker gets the hashes and placeholders alone
+    lm = vllm_engine_pb2.GenerateRequest.FromString(
+        adapter.encode(prep, Role.DECODE, INLINE_FLOAT32, None, kv_transfer_params=params,
+                       language_model_only=True).data).mm_inputs
+    assert not lm.HasField("pixel_values") and not lm.model_specific_tensors and list(lm.mm_hashes) == list(mm.mm_hashes)
+    assert vllm.PREFILL_KV_TRANSFER_PARAMS == '{"do_remote_decode":true,"do_remote_prefill":false}'
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_a_language_model_only_engine_reports_it_and_refuses_media_tensors(engines: Engines, wire: Wire) -> None:
+    engine = engines.get(QWEN2_5, wire, Role.SINGLE, language_model_only=True)
+
+    async def probe() -> object:
+        client = WorkerClient(engine.address)
+        try:
+            return await client.probe(timeout_s=10)
+        finally:
+            await client.close()
+
+    caps = asyncio.run(probe()).capabilities  # type: ignore[attr-defined]
+    assert caps.language_model_only and caps.role is Role.SINGLE
+    if wire is Wire.SGLANG:
+        assert caps.labels["language_only"] == "true"
+    else:
+        assert not caps.supports_vision and not caps.modalities
+    refused = rpc_error(lambda: generate(engine, wire, single_message(wire, request(QWEN2_5, f"lm-only-{wire}"))))
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "language model only" in refused.details()
+
+
+def test_the_command_line_takes_language_model_only() -> None:
+    from mmgate.refengine.config import parse_args
+
+    assert parse_args(["--model", "m", "--role", "decode", "--language-model-only"], environ={}).language_model_only
+    assert not parse_args(["--model", "m"], environ={}).language_model_only
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--wire", "tokenspeed", "--role", "encode", "--language-model-only"], environ={})

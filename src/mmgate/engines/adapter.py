@@ -67,6 +67,13 @@ class WireAdapter(ABC):
     media_refs: ClassVar[bool] = False
     #: whether :meth:`encode` places a pending tensor straight into its buffer (else :meth:`materialize` first)
     places_pending: ClassVar[bool] = True
+    #: how the two legs of a prefill/decode pair meet: False = one minted :class:`Bootstrap` on both legs,
+    #: sent together (SGLang, TokenSpeed); True = the prefill leg is answered first and its Complete's
+    #: ``EngineEvent.kv_transfer_params`` go to the decode leg (vLLM)
+    sequential_pd: ClassVar[bool] = False
+    #: whether the wire's single-consumer KV handoff can serve ``n > 1`` choices from one prefill (False on
+    #: vLLM: SMG relays no handoff for ``n > 1``; the decode worker computes the prompt itself)
+    pd_n_samples: ClassVar[bool] = True
 
     @property
     def service(self) -> str:
@@ -101,12 +108,17 @@ class WireAdapter(ABC):
         raise NotImplementedError(f"{type(self).__name__} encodes through encode()")
 
     def encode(self, prepared: PreparedRequest, role: Role, plan: WirePlan, lease: ShmLease | None,
-               bootstrap: Bootstrap | None = None, kv_transfer_params: str | None = None) -> EncodedRequest:
+               bootstrap: Bootstrap | None = None, kv_transfer_params: str | None = None,
+               language_model_only: bool = False) -> EncodedRequest:
         """The serialized request of one leg of ``prepared`` for a worker of this wire.
 
         ``lease`` records the shared-memory segments created for it (the caller releases it when the
         engine has answered); ``bootstrap`` pairs the legs of a disaggregated request on SGLang and
-        TokenSpeed, ``kv_transfer_params`` (JSON) does on vLLM.
+        TokenSpeed, ``kv_transfer_params`` (JSON) does on vLLM: on a prefill leg the params it is
+        tagged with (None: the wire's default), on a decode leg those its prefill answered (None: none
+        relayed).  ``language_model_only``: the decode worker runs the language model only (vLLM: the
+        decode leg carries the media's hashes and placeholders without the grids; the other wires'
+        decode legs carry no encoder input either way).
 
         Raises:
             GatewayError: a value the wire cannot carry (e.g. ``invalid_request`` for a sampling field).
@@ -133,15 +145,27 @@ class WireAdapter(ABC):
 
 
 class VllmAdapter(WireAdapter):
-    """``vllm.grpc.engine.VllmEngine`` (:mod:`mmgate.engines.vllm`)."""
+    """``vllm.grpc.engine.VllmEngine`` (:mod:`mmgate.engines.vllm`).  PD: the prefill leg first (one token,
+    ``kv_transfer_params_json`` ``do_remote_decode``), then the decode leg with the params it answered and
+    the media's identity only (:func:`mmgate.engines.vllm.build_decode_request`)."""
 
     wire = Wire.VLLM
     response_type = vllm_engine_pb2.GenerateResponse
     media_refs = True
+    roles = frozenset({Role.SINGLE, Role.PREFILL, Role.DECODE})
+    sequential_pd = True
+    pd_n_samples = False
 
     def encode(self, prepared: PreparedRequest, role: Role, plan: WirePlan, lease: ShmLease | None,
-               bootstrap: Bootstrap | None = None, kv_transfer_params: str | None = None) -> EncodedRequest:
+               bootstrap: Bootstrap | None = None, kv_transfer_params: str | None = None,
+               language_model_only: bool = False) -> EncodedRequest:
         self.check_role(role)
+        if role is Role.DECODE:
+            return EncodedRequest(vllm.build_decode_request(prepared, kv_transfer_params,
+                                                            grids=not language_model_only).SerializeToString())
+        if role is Role.PREFILL:
+            return vllm.encode_generate_request(prepared, plan, lease,
+                                                kv_transfer_params or vllm.PREFILL_KV_TRANSFER_PARAMS)
         return vllm.encode_generate_request(prepared, plan, lease)
 
     def encode_media_refs(self, prepared: PreparedRequest, refs: Sequence[MediaRef]) -> EncodedRequest:
@@ -160,7 +184,8 @@ class SglangAdapter(WireAdapter):
     roles = frozenset({Role.SINGLE, Role.PREFILL, Role.DECODE})
 
     def encode(self, prepared: PreparedRequest, role: Role, plan: WirePlan, lease: ShmLease | None,
-               bootstrap: Bootstrap | None = None, kv_transfer_params: str | None = None) -> EncodedRequest:
+               bootstrap: Bootstrap | None = None, kv_transfer_params: str | None = None,
+               language_model_only: bool = False) -> EncodedRequest:
         self.check_role(role)
         return sglang.encode_generate_request(prepared, role, bootstrap, plan.encoder_dtype)
 

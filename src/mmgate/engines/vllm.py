@@ -14,6 +14,22 @@ modalities in ``extra_mm_inputs``; the primary encoder tensor in
 ``pixel_values``, the others in ``model_specific_tensors``; field layouts in
 ``batched_keys`` / ``flat_keys`` / ``keep_on_cpu_keys``.
 
+Prefill/decode disaggregation (``routing/disagg.py``; docs/disaggregation.md), as the Rust
+gateway SMG runs it on this wire (``model_gateway/src/routers/grpc/common/stages/request_execution.rs``
+``execute_sequential_pd``, ``proto_wrapper.rs`` ``sanitize_sampling_for_prefill`` /
+``set_kv_transfer_params_json``): the prefill leg goes first, its sampling sanitized to one token
+(``max_tokens`` 1, ``min_tokens`` 0, ``n`` 1, no stops, ``ignore_eos``), not streamed, tagged
+``kv_transfer_params_json`` = :data:`PREFILL_KV_TRANSFER_PARAMS`, with the media as a single leg
+carries them (:func:`encode_generate_request` with ``prefill_kv_transfer_params``); the decode leg is
+the request as the client asked for it, with the JSON the prefill's ``GenerateComplete`` answered and
+the media's identity only (:func:`build_decode_request`: hashes, placeholder ranges and the
+non-encoder tensors, the grids; no ``pixel_values``, never shared memory).  The servicer reads that
+pixel-less form as "the PD decode side's" (``smg_grpc_servicer/vllm/servicer.py`` ``Generate``:
+``has_preprocessed_mm_payload``, ``batches_missing_pixels`` refused without ``kv_transfer_params``).
+A language-model-only decode worker gets the hashes and placeholders alone: a payload with no
+tensor takes the servicer's cache-salt path (``mm_salt.py`` ``mm_identity_cache_salt``), the only
+form an engine without multimodal inputs accepts.
+
 RPC failures map to the error table as :mod:`mmgate.engines.rpc_errors` says (the same for
 every wire; its names are re-exported here for the reference engine).
 """
@@ -67,13 +83,19 @@ from mmgate.types import (
 )
 
 ENGINE = "vllm"
-__all__ = ["ENGINE", "EncodedRequest", "build_generate_request", "build_media_ref_request", "build_mm_inputs",
-           "carried_error_details", "encode_generate_request", "events", "map_rpc_error", "parse_carried_error",
-           "sampling_message"]
+__all__ = ["ENGINE", "PREFILL_KV_TRANSFER_PARAMS", "EncodedRequest", "build_decode_request",
+           "build_generate_request", "build_media_ref_request", "build_mm_inputs", "carried_error_details",
+           "encode_generate_request", "events", "map_rpc_error", "parse_carried_error", "sampling_message"]
 #: the wire field of the encoder input; a family whose encoder input has another name sends it
 #: here too and names it in ``encoder_input_key`` (``smg_grpc_servicer/vllm/mm_keys.py``)
 DEFAULT_PRIMARY_KEY = "pixel_values"
 _MODALITY = {Modality.IMAGE: common_pb2.IMAGE, Modality.VIDEO: common_pb2.VIDEO, Modality.AUDIO: common_pb2.AUDIO}
+#: the prefill leg's ``kv_transfer_params_json``: SMG's ``NIXL_PREFILL_KV_PARAMS`` (``request_execution.rs``);
+#: the engine keeps the prompt's KV for a remote decode and answers the handoff params in its Complete
+PREFILL_KV_TRANSFER_PARAMS = json.dumps({"do_remote_decode": True, "do_remote_prefill": False},
+                                        separators=(",", ":"))
+
+
 def _sent(name: str, path: str, nbytes: int) -> None:
     """Count one tensor placed for the engine (``smg_mm_tensors_total{runtime,path}`` and bytes) and report
     it to the request's ``--log-mm-timing`` record."""
@@ -244,15 +266,36 @@ def _set_constraint(sampling: vllm_engine_pb2.SamplingParams, constraint: Constr
         setattr(sampling, kind.value, constraint.value)
 
 
-def _build(req: PreparedRequest, wire: WirePlan, lease: ShmLease | None, defer_primary: bool,
-           targets: list[tuple[PendingTensor, RowTarget]] | None = None,
-           ) -> tuple[vllm_engine_pb2.GenerateRequest, _InlineTail | None]:
-    msg = vllm_engine_pb2.GenerateRequest(
+def _prefill_leg(msg: vllm_engine_pb2.GenerateRequest, kv_transfer_params: str) -> None:
+    """Make ``msg`` the prefill leg of a PD pair (SMG ``sanitize_sampling_for_prefill(1)``, ``set_stream(false)``,
+    ``set_kv_transfer_params_json``): one token, one choice, no stop that could end it before the length cap
+    (vLLM's NixlConnector hands the KV over only for a length-capped finish), not streamed."""
+    sampling = msg.sampling_params
+    sampling.max_tokens = 1
+    sampling.min_tokens = 0
+    sampling.n = 1
+    del sampling.stop[:]
+    del sampling.stop_token_ids[:]
+    sampling.ignore_eos = True
+    msg.stream = False
+    msg.kv_transfer_params_json = kv_transfer_params
+
+
+def _base_message(req: PreparedRequest) -> vllm_engine_pb2.GenerateRequest:
+    return vllm_engine_pb2.GenerateRequest(
         request_id=req.request_id,
         tokenized=vllm_engine_pb2.TokenizedInput(original_text=req.prompt_text, input_ids=list(req.input_ids)),
         sampling_params=sampling_message(req.sampling),
         stream=req.stream,
     )
+
+
+def _build(req: PreparedRequest, wire: WirePlan, lease: ShmLease | None, defer_primary: bool,
+           targets: list[tuple[PendingTensor, RowTarget]] | None = None, prefill_kv_transfer_params: str | None = None,
+           ) -> tuple[vllm_engine_pb2.GenerateRequest, _InlineTail | None]:
+    msg = _base_message(req)
+    if prefill_kv_transfer_params is not None:
+        _prefill_leg(msg, prefill_kv_transfer_params)
     tail: _InlineTail | None = None
     for i, batch in enumerate(req.batches):
         key = batch.primary_key
@@ -288,14 +331,57 @@ def _build(req: PreparedRequest, wire: WirePlan, lease: ShmLease | None, defer_p
     return msg, tail
 
 
-def build_generate_request(req: PreparedRequest, wire: WirePlan = INLINE_FLOAT32,
-                           lease: ShmLease | None = None) -> vllm_engine_pb2.GenerateRequest:
+def build_generate_request(req: PreparedRequest, wire: WirePlan = INLINE_FLOAT32, lease: ShmLease | None = None,
+                           prefill_kv_transfer_params: str | None = None) -> vllm_engine_pb2.GenerateRequest:
     """The ``GenerateRequest`` for a prepared request of arrays (expanded ids, sampling, media).
 
     Shared-memory segments it creates are recorded in ``lease``; the caller
     releases the lease when the engine has answered or the request ended.
+    ``prefill_kv_transfer_params``: make it the prefill leg of a PD pair (see the module docstring).
     """
-    return _build(req, wire, lease, defer_primary=False)[0]
+    return _build(req, wire, lease, defer_primary=False, prefill_kv_transfer_params=prefill_kv_transfer_params)[0]
+
+
+def identity_mm_inputs(batch: EncoderBatch, grids: bool = True) -> vllm_engine_pb2.MultimodalInputs:
+    """One batch's identity for a PD decode leg: ``mm_hashes``, ``mm_placeholders``, ``im_token_id``,
+    ``modality`` and, with ``grids``, every tensor but the encoder input (inline; the layout keys of
+    those only).  Without ``grids`` (a language-model-only decode worker) no tensor at all."""
+    primary = batch.primary_key
+    mm = vllm_engine_pb2.MultimodalInputs(
+        im_token_id=batch.placeholder_token_id,
+        mm_placeholders=[vllm_engine_pb2.PlaceholderRange(offset=r.offset, length=r.length) for r in batch.placeholders],
+        mm_hashes=list(batch.mm_hashes),
+        modality=_MODALITY[batch.modality],
+    )
+    if not grids:
+        return mm
+    kept = {name: array for name, array in batch.tensors.items() if name != primary}
+    mm.batched_keys.extend(k for k in batch.batched_keys if k in kept)
+    mm.flat_keys.update({k: v for k, v in batch.flat_keys.items() if k in kept})
+    mm.keep_on_cpu_keys.extend(k for k in batch.keep_on_cpu_keys if k in kept)
+    for name, array in kept.items():
+        assert isinstance(array, np.ndarray), "only the encoder input is ever pending"
+        _sent(name, "inline", array.nbytes)
+        mm.model_specific_tensors[name].CopyFrom(to_tensor_data(array))
+    return mm
+
+
+def build_decode_request(req: PreparedRequest, kv_transfer_params: str | None,
+                         grids: bool = True) -> vllm_engine_pb2.GenerateRequest:
+    """The decode leg of a PD pair: the request as asked (sampling, ``n``, ``stream``), the prefill's
+    ``kv_transfer_params_json`` (None: none relayed, the engine computes the prompt itself), and each
+    batch's identity only (:func:`identity_mm_inputs`): no pixels, nothing in shared memory, so it
+    never names a segment the prefill leg's lease unlinks."""
+    msg = _base_message(req)
+    if kv_transfer_params is not None:
+        msg.kv_transfer_params_json = kv_transfer_params
+    for i, batch in enumerate(req.batches):
+        mm = identity_mm_inputs(batch, grids)
+        if i == 0:
+            msg.mm_inputs.CopyFrom(mm)
+        else:
+            msg.extra_mm_inputs.append(mm)
+    return msg
 
 
 def _varint(n: int) -> bytes:
@@ -319,8 +405,8 @@ def _inline_record_prefix(nbytes: int) -> bytes:
     return b"".join((_TAG_MM_INPUTS, _varint(l3), _TAG_PIXEL_VALUES, _varint(l2), _TAG_INLINE, _varint(nbytes)))
 
 
-def encode_generate_request(req: PreparedRequest, wire: WirePlan = INLINE_FLOAT32,
-                            lease: ShmLease | None = None) -> EncodedRequest:
+def encode_generate_request(req: PreparedRequest, wire: WirePlan = INLINE_FLOAT32, lease: ShmLease | None = None,
+                            prefill_kv_transfer_params: str | None = None) -> EncodedRequest:
     """The serialized ``GenerateRequest``, with the large inline tensor written exactly once.
 
     Everything but the first batch's inline ``pixel_values`` bytes is
@@ -335,9 +421,12 @@ def encode_generate_request(req: PreparedRequest, wire: WirePlan = INLINE_FLOAT3
     A segment that cannot be created falls back to inline here (counted); one
     that cannot be written (``/dev/shm`` full) makes ``EncodedRequest.fill``
     raise ``ShmError``, and the caller encodes again with shared memory off.
+
+    ``prefill_kv_transfer_params``: make it the prefill leg of a PD pair (see the module docstring).
     """
     targets: list[tuple[PendingTensor, RowTarget]] = []
-    msg, tail = _build(req, wire, lease, defer_primary=True, targets=targets)
+    msg, tail = _build(req, wire, lease, defer_primary=True, targets=targets,
+                       prefill_kv_transfer_params=prefill_kv_transfer_params)
     head = msg.SerializeToString()
     if tail is None:
         return EncodedRequest(head, tuple(targets))

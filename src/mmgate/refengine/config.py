@@ -10,7 +10,11 @@ or the environment.
 (docs/refengine-roles.md); ``encode`` exists on the TokenSpeed wire only (its
 ``TokenSpeedEncoder`` service).  A prefill or encode engine listens for its
 consumers on ``--bootstrap-port`` (the reference engine's own handoff,
-:mod:`mmgate.refengine.handoff`).
+:mod:`mmgate.refengine.handoff`).  ``--language-model-only`` makes the engine
+report and behave as a worker that runs the language model without its vision
+tower (vLLM ``--language-model-only``, SGLang ``language_only``, TokenSpeed
+with no active modality): it takes no media tensors, only a decode leg's media
+identity (docs/refengine-roles.md).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class EngineConfig:
     bootstrap_port: int = 0  # a prefill / encode engine's handoff listener (0: the OS picks; reported)
     handoff_timeout_s: float = 30.0  # an unclaimed KV / embedding is freed after this long
     handoff_wait_s: float = 30.0  # a decode / EPD prefill waits this long for its room
+    language_model_only: bool = False  # no vision tower: report it, take no media tensors (a decode leg's identity only)
 
     @property
     def model_name(self) -> str:
@@ -95,6 +100,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
                help="seconds a prefill's KV or an encoder's embeddings wait for their consumer before they are freed")
     add_option(d, "--handoff-wait", type=float, default=30.0, minimum=0.0,
                help="seconds a decode or EPD prefill waits for its bootstrap room to be published")
+    add_option(d, "--language-model-only", action="store_true", default=False,
+               help="run as a language-model-only worker (no vision tower): report it as the wire's engines do "
+                    "(vLLM supports_vision false, SGLang language_only, TokenSpeed no modality) and refuse media "
+                    "tensors; a decode leg's media identity is still taken")
     add_mm_arguments(parser)
     return parser
 
@@ -116,6 +125,8 @@ def parse_args(argv: list[str] | None, environ: Mapping[str, str] | None = None)
         parser.error("--num-threads must be at least 1")
     if ns.role == Role.ENCODE.value and ns.wire != Wire.TOKENSPEED.value:
         parser.error("--role encode exists on the tokenspeed wire only (its TokenSpeedEncoder service)")
+    if ns.role == Role.ENCODE.value and ns.language_model_only:
+        parser.error("--language-model-only: an encode worker runs the vision tower")
     return EngineConfig(
         model=ns.model,
         host=ns.host,
@@ -133,4 +144,5 @@ def parse_args(argv: list[str] | None, environ: Mapping[str, str] | None = None)
         bootstrap_port=ns.bootstrap_port,
         handoff_timeout_s=ns.handoff_timeout,
         handoff_wait_s=ns.handoff_wait,
+        language_model_only=ns.language_model_only,
     )

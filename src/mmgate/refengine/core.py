@@ -16,6 +16,10 @@ Roles (``--role``), per leg:
 An EPD prefill (items without encoder input, plus ``encode_bootstrap_info``) first pulls each
 item's embeddings from its encode engine and passes them as ``mm_encoder_outputs``.
 
+``--record-dir``: a leg the model runs from its own inputs (single, prefill) is recorded as the model
+takes it; a decode leg, which continues from the prefill's KV, as it arrived (its prompt ids and the
+tensors of its media identity), so a recording shows what each leg was sent.
+
 Threads: network waits (handoff pulls) run on the gRPC handler's thread; model work runs on
 ``config.model_workers`` model threads.  A handler waits on a queue the model thread fills.
 A Generate stream holds its pool thread for its whole life, so at most ``config.rpc_workers``
@@ -36,6 +40,7 @@ from functools import partial
 from typing import Any
 
 import grpc
+import torch
 from smg_grpc_proto.generated import vllm_engine_pb2
 
 from mmgate.engines.vllm import carried_error_details
@@ -360,8 +365,18 @@ class EngineCore:
 
         return Run(plan, inputs.prompt_len, self._events(job))
 
+    def _record_arrival(self, leg: Leg) -> None:
+        """Record a decode leg as it arrived: its ids and every tensor of its batches (no model inputs)."""
+        if self.recorder is None:
+            return
+        input_ids = torch.tensor([list(leg.input_ids)], dtype=torch.int64)
+        tensors = {name: tensor for batch in leg.batches for name, tensor in batch.tensors.items()}
+        self.recorder.record(leg.request_id, ModelInputs(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                                         mm_kwargs=tensors, dropped_keys=()))
+
     def _decode(self, leg: Leg, cancelled: threading.Event) -> Run:
         assert leg.kv is not None
+        self._record_arrival(leg)
         plan = self._plan(leg)
         tree = fetch(leg.kv.host, leg.kv.port, kv_key(leg.kv.room), self.config.handoff_wait_s, cancelled)
         state = unpack_prefill(tree)

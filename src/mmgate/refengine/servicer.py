@@ -21,6 +21,12 @@ worker-side ``media_refs`` resolved first (:mod:`.mm_processor`); ``kv_transfer_
     form: hashes, placeholders, grids) without them is refused, as the servicer refuses it
     ("a pixel-less leg requires remote KV").
 
+``--language-model-only`` (vLLM ``--language-model-only``): GetModelInfo ``supports_vision`` false
+(the servicer reports vLLM's ``engine_accepts_mm_inputs``, ``vllm/mm_salt.py``), no worker-side
+media labels; a batch carrying any tensor is refused, a batch of hashes and placeholders only (the
+identity a gateway sends such a decode worker) is read as the servicer reads it, as no media: its
+hashes only salt the prefix cache (``mm_identity_cache_salt``), which the reference engine has not.
+
 Everything else (threads, errors): :mod:`.core` and :mod:`.wire_base`.
 """
 
@@ -141,9 +147,16 @@ class RefEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         if request.HasField("media_refs") and request.media_refs.items:
             raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED, "this engine does not process media references")
         ids = prompt_ids(request, self._core.tokenizer, facts.vocab_size)
+        # ``has_preprocessed_mm_payload``: a batch without any tensor is bare identity (the cache-salt path)
+        preprocessed = [mm for mm in mm_batches(request) if mm.HasField("pixel_values") or mm.model_specific_tensors]
+        if preprocessed and self._config.language_model_only:
+            raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED,
+                               "this engine runs the language model only (--language-model-only): it takes no "
+                               "multimodal tensors")
         if mm_batches(request) and not facts.supports_vision:
             raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED, f"model {facts.model_type!r} takes no multimodal inputs")
-        batches = vllm_batches(request, self._core.normalizer)
+        bare = len(preprocessed) < len(mm_batches(request))
+        batches = vllm_batches(request, self._core.normalizer) if preprocessed else []
         params = kv_transfer_params(request)
         role, link = self._config.role, None
         if role is Role.DECODE and params is not None and params.get("do_remote_prefill"):
@@ -159,7 +172,10 @@ class RefEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [],
                 "remote_engine_id": self._engine_id, "remote_request_id": request.request_id,
                 "remote_host": link.host, "remote_port": link.port, "tp_size": 1}))
-        if link is None and any(b.primary not in b.tensors for b in batches):
+        if link is None and (any(b.primary not in b.tensors for b in batches)
+                             or (bare and not self._config.language_model_only)):
+            # (a bare identity on a full engine would be served as text by the servicer; the reference
+            # engine refuses it as it refuses a pixel-less payload: nothing embeds its placeholders)
             raise GatewayError(ErrorCode.INVALID_REQUEST,
                                "multimodal payload carries grid tensors but no pixel_values and no "
                                "kv_transfer_params; a pixel-less leg requires remote KV")
@@ -190,7 +206,7 @@ class RefEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             is_generation=True,
             max_context_length=facts.max_context_length,
             vocab_size=facts.vocab_size,
-            supports_vision=facts.supports_vision,
+            supports_vision=facts.supports_vision and not self._config.language_model_only,
             served_model_name=facts.served_model_name,
             tokenizer_path=facts.model_path,
             model_type=facts.model_type,
@@ -206,6 +222,8 @@ class RefEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     ) -> vllm_engine_pb2.GetServerInfoResponse:
         active, _ = self._core.counts()
         mm_processor, mm_source, mm_schemes = self._media.labels()
+        if self._config.language_model_only:  # it could not expand media references (servicer.py GetServerInfo)
+            mm_processor, mm_source, mm_schemes = "", "", ""
         kv_role = _KV_ROLE.get(self._config.role, "")
         return vllm_engine_pb2.GetServerInfoResponse(
             active_requests=active,

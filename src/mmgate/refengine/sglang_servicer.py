@@ -23,8 +23,11 @@ Both refuse a request without ``disaggregated_params``.
 
 Labels (GetServerInfo ``server_args``, as SGLang's ``ServerArgs`` names them):
 ``disaggregation_mode`` ``null`` / ``prefill`` / ``decode``, ``disaggregation_bootstrap_port``,
-``disaggregation_transfer_backend`` (the reference engine's own handoff), ``encoder_only`` and
-``language_only`` false; ``server_type`` ``grpc``.
+``disaggregation_transfer_backend`` (the reference engine's own handoff), ``encoder_only`` false,
+``language_only`` true only with ``--language-model-only`` (SGLang's language-only worker, which
+takes a request's embeddings from an encoder instead of running the tower: the reference engine
+refuses ``pixel_values`` then; ``supports_vision`` stays the model's, as SGLang reports
+``model.is_multimodal``); ``server_type`` ``grpc``.
 """
 
 from __future__ import annotations
@@ -133,6 +136,9 @@ class SglangServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
         ids = check_ids(request.tokenized.input_ids, facts.vocab_size)
         batches = []
         if request.HasField("mm_inputs") and request.mm_inputs.HasField("pixel_values"):
+            if self._config.language_model_only:
+                raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED,
+                                   "this engine runs the language model only (language_only): it takes no pixels")
             if not facts.supports_vision:
                 raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED,
                                    f"model {facts.model_type!r} takes no multimodal inputs")
@@ -180,7 +186,7 @@ class SglangServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
             "served_model_name": facts.served_model_name, "host": config.host, "port": config.port,
             "disaggregation_mode": mode, "disaggregation_bootstrap_port": self._core.bootstrap_port,
             "disaggregation_transfer_backend": TRANSFER_BACKEND if mode != "null" else "",
-            "encoder_only": False, "language_only": False, "dtype": "float32", "skip_tokenizer_init": True,
+            "encoder_only": False, "language_only": config.language_model_only, "dtype": "float32", "skip_tokenizer_init": True,
             "context_length": facts.max_context_length, "max_running_requests": config.model_workers,
         }
 

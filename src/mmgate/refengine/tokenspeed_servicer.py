@@ -25,6 +25,9 @@ model has a vision tower, video too when its config has ``video_token_id``), ``s
 ``--multimodal-encoder-dtype``; GetServerInfo ``server_args.disaggregation_mode`` ``null`` /
 ``prefill`` / ``decode`` / ``encode``, ``disaggregation_bootstrap_port``,
 ``scheduler_info.shm_namespace_id`` (the SHM tensor transport's namespace check).
+``--language-model-only``: no supported modality (``_static_supported_modalities`` answers none when
+the model's multimodal part is inactive), so ``supports_vision`` / ``supports_multimodal`` false; an
+item with ``encoder_input`` is refused, a decode leg's items (identity, no encoder input) are taken.
 """
 
 from __future__ import annotations
@@ -107,6 +110,10 @@ class TokenSpeedServicer(tokenspeed_scheduler_pb2_grpc.TokenSpeedSchedulerServic
         items = read_items(request.mm_inputs, self._core.normalizer) if request.HasField("mm_inputs") else []
         if items and not facts.supports_vision:
             raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED, f"model {facts.model_type!r} takes no multimodal inputs")
+        if items and self._config.language_model_only and (role is not Role.DECODE
+                                                           or any(i.has_encoder_input for i in items)):
+            raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED,
+                                   "this engine runs the language model only: it takes no multimodal items")
         sources = encode_sources(request, len(items))
         links = []
         for index, item in enumerate(items):
@@ -148,7 +155,7 @@ class TokenSpeedServicer(tokenspeed_scheduler_pb2_grpc.TokenSpeedSchedulerServic
     def supported_modalities(self) -> list[int]:
         """``_static_supported_modalities``: image with a vision tower, video when the config has ``video_token_id``."""
         facts = self._core.loaded.facts
-        if not facts.supports_vision:
+        if not facts.supports_vision or self._config.language_model_only:
             return []
         return [common_pb2.IMAGE] + ([common_pb2.VIDEO] if facts.video_token_id is not None else [])
 

@@ -4,14 +4,25 @@ Stage: select worker -> assemble -> transport -> engine, for a pair.  In: a vali
 gateway state; out: an :class:`~mmgate.api.answer.EngineAnswer` whose stream is the decode leg's.
 
 Per request (docs/disaggregation.md): the least-loaded healthy prefill worker and the least-loaded healthy
-decode worker of the same wire (SGLang or TokenSpeed) are picked; a bootstrap room is minted
-(:func:`mint_room`); the bootstrap host is the prefill worker's host, the port its ``--prefill URL
-BOOTSTRAP_PORT`` or else the ``disaggregation_bootstrap_port`` it reports.  The media are processed once,
-for the prefill leg; both legs are encoded by the wire's adapter (``Role.PREFILL`` with the tensors,
-``Role.DECODE`` with no pixels: SGLang no media, TokenSpeed items without encoder input; never through
-shared memory, so the decode leg never names a segment the prefill's lease unlinks) and sent together.
-The answer streams from the decode leg; the prefill leg's reply (its first token, which the decode engine
-continues from) is drained and dropped, and its shared-memory lease released when it ends.
+decode worker of the same wire are picked (:func:`select_pair`).  The media are processed once, for the
+prefill leg; both legs are encoded by the wire's adapter (``Role.PREFILL`` with the tensors,
+``Role.DECODE`` with the media's identity only: SGLang no media, TokenSpeed items without encoder input,
+vLLM hashes, placeholders and grids; never through shared memory, so the decode leg never names a
+segment the prefill's lease unlinks).  How the legs meet is the wire's (``WireAdapter.sequential_pd``):
+
+* SGLang, TokenSpeed (:func:`_start_together`): a bootstrap room is minted (:func:`mint_room`); the
+  bootstrap host is the prefill worker's host, the port its ``--prefill URL BOOTSTRAP_PORT`` or else the
+  ``disaggregation_bootstrap_port`` it reports; both legs carry them and are sent together.  The answer
+  streams from the decode leg; the prefill leg's reply (its first token, which the decode engine continues
+  from) is drained and dropped, and its shared-memory lease released when it ends.
+* vLLM (:func:`_start_sequential`), as the Rust gateway SMG runs it (``execute_sequential_pd``,
+  ``model_gateway/src/routers/grpc/common/stages/request_execution.rs``): the prefill leg first (one token,
+  tagged ``do_remote_decode``), read to its end; its shared-memory lease is released then (the engine has
+  read the tensors); the ``kv_transfer_params`` of its Complete go to the decode leg, which is then sent.
+  ``n > 1``: the KV handoff has one consumer, so (as SMG) no handoff is relayed; the decode worker computes
+  the prompt itself, which a text-only request allows (mmgate sends no prefill leg then: nothing of it
+  would be used); a request with media and ``n > 1`` is refused before anything is fetched (400
+  ``invalid_request``, param ``n``): the decode leg never carries pixels.
 
 Encode disaggregation (``--epd-disaggregation``, TokenSpeed wire): each media item (prompt order) goes to an
 encode worker picked by ``--encode-policy`` (:func:`pick_encoder`; default rendezvous hashing on the item's
@@ -24,7 +35,8 @@ failure cancels the rest and the decode leg's wait, and an encode worker's failu
 Refusals before anything is fetched, when a decode worker reports ``language_model_only``: M-RoPE models
 with media (``pd_decode_language_model_only_mrope``), ``n > 1`` (``..._n_samples``); and media references
 for worker-side processing are never forwarded in PD mode (``..._media_refs`` when such a decode worker
-would have to take them).
+would have to take them).  With decode workers of both kinds, a request only a full decode worker can
+serve is paired with one.
 """
 
 from __future__ import annotations
@@ -48,7 +60,7 @@ from mmgate.engines.base import Bootstrap, EncodedRequest, EngineEvent, Role, Wi
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.routing.mm_processing import Mode
 from mmgate.routing.workers import Worker, WorkerRegistry
-from mmgate.transport.shm import ShmLease
+from mmgate.transport.shm import ShmError, ShmLease
 from mmgate.types import Modality, PreparedRequest
 
 if TYPE_CHECKING:
@@ -57,8 +69,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mmgate.routing")
 
-#: the wires whose PD handshake (bootstrap host/port/room, both legs together) this module runs
-PD_WIRES = frozenset({Wire.SGLANG, Wire.TOKENSPEED})
+#: the wires whose PD handshake this module runs (bootstrap host/port/room on SGLang and TokenSpeed,
+#: ``kv_transfer_params`` on vLLM)
+PD_WIRES = frozenset({Wire.SGLANG, Wire.TOKENSPEED, Wire.VLLM})
 #: SGLang's ``DisaggregatedParams.bootstrap_room`` is an int32 (TokenSpeed's a 63-bit int): rooms fit both
 ROOM_MAX = 2**31 - 1
 
@@ -96,13 +109,37 @@ def _uses_mrope(state: GatewayState) -> bool:
     return False
 
 
+def _n_samples_with_media() -> GatewayError:
+    return GatewayError(ErrorCode.INVALID_REQUEST,
+                        "n > 1 with media cannot be served by a vLLM-wire prefill/decode pair: its KV handoff has "
+                        "one consumer, so none is relayed for n > 1 and the decode worker would have to compute "
+                        "the prompt itself, from pixels the decode leg never carries (docs/disaggregation.md)", "n")
+
+
+def needs_full_decode(state: GatewayState, req: ChatCompletionRequest) -> bool:
+    """Whether ``req`` is one a language-model-only decode worker cannot serve (the refusals of
+    :func:`check_pd_request`)."""
+    has_media = bool(media_kinds(req))
+    return req.n > 1 or (has_media and (_uses_mrope(state) or state.settings.mm_processing.value == Mode.WORKER.value))
+
+
 def check_pd_request(state: GatewayState, req: ChatCompletionRequest) -> None:
     """The refusals of PD mode that need nothing fetched: a language-model-only decode worker and a request it
-    cannot serve.
+    cannot serve; ``n > 1`` with media when every prefill worker is of a wire whose handoff serves one choice
+    (vLLM).
 
     Raises:
-        GatewayError: 400 ``pd_decode_language_model_only_mrope`` / ``..._media_refs`` / ``..._n_samples``.
+        GatewayError: 400 ``pd_decode_language_model_only_mrope`` / ``..._media_refs`` / ``..._n_samples``,
+            400 ``invalid_request`` (param ``n``).
     """
+    _check_language_model_only(state, req)
+    if req.n > 1 and media_kinds(req):
+        adapters = [w.adapter for w in state.workers.workers if w.assigned_role is Role.PREFILL and w.adapter is not None]
+        if adapters and not any(a.pd_n_samples for a in adapters):
+            raise _n_samples_with_media()
+
+
+def _check_language_model_only(state: GatewayState, req: ChatCompletionRequest) -> None:
     decoders = [w for w in state.workers.workers if w.assigned_role is Role.DECODE and w.caps is not None]
     if not decoders or not all(w.caps is not None and w.caps.language_model_only for w in decoders):
         return
@@ -121,21 +158,30 @@ def check_pd_request(state: GatewayState, req: ChatCompletionRequest) -> None:
                            "processing cannot be served disaggregated", "messages")
 
 
-def select_pair(registry: WorkerRegistry, modalities: frozenset[Modality]) -> tuple[Worker, Worker]:
-    """The least-loaded healthy prefill worker and least-loaded healthy decode worker of the same PD wire.
+def select_pair(registry: WorkerRegistry, modalities: frozenset[Modality],
+                full_decode: bool = False) -> tuple[Worker, Worker]:
+    """The least-loaded healthy prefill worker and least-loaded healthy decode worker of the same PD wire;
+    ``full_decode``: the request is one a language-model-only decode worker cannot serve, so one that is not
+    is preferred (:func:`check_pd_request` refused it before when every decode worker is).
 
     Raises:
         GatewayError(NO_HEALTHY_WORKER): no such pair (retryable 503), or MULTIMODAL_NOT_SUPPORTED.
     """
     prefill = registry.select(modalities, Role.PREFILL)
-    wire = prefill.wire
-    if Wire(wire) not in PD_WIRES:
+    wire, adapter = prefill.wire, prefill.adapter
+    if Wire(wire) not in PD_WIRES or adapter is None or Role.PREFILL not in adapter.roles:
         raise GatewayError(ErrorCode.NO_HEALTHY_WORKER,
                            f"prefill/decode disaggregation over the {wire} wire is not implemented "
                            "(docs/disaggregation.md)")
     decoders = [w for w in registry.workers if w.assigned_role is Role.DECODE and w.healthy and w.wire == wire]
     if not decoders:
         raise GatewayError(ErrorCode.NO_HEALTHY_WORKER, f"no healthy decode worker of the {wire} wire")
+    if full_decode:
+        decoders = [w for w in decoders if not (w.caps is not None and w.caps.language_model_only)]
+        if not decoders:
+            raise GatewayError(ErrorCode.NO_HEALTHY_WORKER,
+                               f"no healthy decode worker of the {wire} wire runs the whole model (this request "
+                               "cannot be served by a language-model-only one)")
     return prefill, min(decoders, key=lambda w: w.in_flight)
 
 
@@ -237,26 +283,126 @@ async def start_pd(state: GatewayState, req: ChatCompletionRequest, request_id: 
         GatewayError: a refusal, a selection failure, or either leg's failure (the prefill's when it failed
             first; a leg that is down gives a retryable 503).
     """
-    from mmgate.api.answer import EngineAnswer, _router_counts, timing_header
-
     check_pd_request(state, req)
     check_capable(state, req)
     pair: list[tuple[Worker, Worker]] = []
+    full_decode = needs_full_decode(state, req)
 
     def choose_worker(modalities: frozenset[Modality]) -> bool:
-        prefill, decode = select_pair(state.workers, modalities)
-        pair.append((prefill, decode))
+        prefill, decode = select_pair(state.workers, modalities, full_decode)
         adapter = prefill.adapter
         assert adapter is not None
+        if req.n > 1 and modalities and not adapter.pd_n_samples:
+            raise _n_samples_with_media()
+        pair.append((prefill, decode))
         return adapter.plan(state.settings.transport, prefill.labels).device_normalize
 
     prepared = await state.pipeline.prepare(req, request_id, choose_worker=choose_worker, defer_pixels=True)
     if not pair:  # a text-only request: choose_worker is not called for it
         choose_worker(frozenset())
     prefill, decode = pair[0]
+    assert prefill.adapter is not None and decode.adapter is not None
+    assert prefill.client is not None and decode.client is not None
+    if prefill.adapter.sequential_pd:
+        return await _start_sequential(state, prepared, prefill, decode, record)
+    return await _start_together(state, prepared, prefill, decode, record)
+
+
+async def _prefill_answer(responses: AsyncGenerator[EngineEvent, None]) -> str | None:
+    """Read a sequential prefill leg to its end: the ``kv_transfer_params`` its Complete answered (the last
+    one), or None."""
+    params = None
+    try:
+        async for event in responses:
+            if event.is_complete and event.kv_transfer_params:
+                params = event.kv_transfer_params
+    finally:
+        await responses.aclose()
+    return params
+
+
+async def _start_sequential(state: GatewayState, prepared: PreparedRequest, prefill: Worker, decode: Worker,
+                            record: timing_log.RequestTiming | None) -> EngineAnswer:
+    """The vLLM handshake: the prefill leg answered first, its ``kv_transfer_params`` to the decode leg."""
+    from mmgate.api.answer import EngineAnswer, _router_counts, timing_header
+
+    adapter, decode_adapter = prefill.adapter, decode.adapter
+    assert adapter is not None and decode_adapter is not None
+    assert prefill.client is not None and decode.client is not None
+    timings = prepared.timings_ms
+    plan = adapter.plan(state.settings.transport, prefill.labels)
+    decode_plan = replace(decode_adapter.plan(state.settings.transport, decode.labels), shm=False)
+    language_model_only = decode.caps is not None and decode.caps.language_model_only
+    relay = adapter.pd_n_samples or prepared.sampling.n <= 1
+    grant = await state.budget.acquire(sum(b.nbytes for b in prepared.batches))
+    lease = ShmLease()
+    release_decode = decode.hold()
+
+    def release() -> None:
+        release_decode()
+        lease.release()
+        grant.release()
+
+    kv_transfer_params: str | None = None
+    try:
+        metrics.PROMPT_TOKENS.inc(len(prepared.input_ids))
+        if relay:
+            release_prefill = prefill.hold(lease.release)
+            try:
+                with metrics.stage("assemble", timings):
+                    prefill_leg = adapter.encode(prepared, Role.PREFILL, plan, lease)
+                if prefill_leg.pending:
+                    with metrics.stage("preprocess", timings):
+                        try:
+                            await prefill_leg.fill()
+                        except ShmError:  # /dev/shm full while writing: again, inline
+                            metrics.SHM_WRITE_FAILURES.labels(prefill.wire).inc()
+                            lease.release()
+                            prefill_leg = adapter.encode(prepared, Role.PREFILL, replace(plan, shm=False), None)
+                            await prefill_leg.fill()
+                start = time.perf_counter()
+                kv_transfer_params = await _prefill_answer(prefill.client.generate(prefill_leg, Role.PREFILL))
+                timings["engine_prefill"] = (time.perf_counter() - start) * 1000.0
+            finally:
+                release_prefill()  # the engine has read every tensor (or the leg failed): segments unlinked
+            if kv_transfer_params is None and prepared.batches:
+                raise GatewayError(ErrorCode.ENGINE_ERROR,
+                                   f"prefill worker {prefill.url} answered no kv_transfer_params (is it a KV "
+                                   "producer?): the decode leg, which carries no pixels, cannot be served")
+        with metrics.stage("assemble", timings):
+            decode_leg = decode_adapter.encode(prepared, Role.DECODE, decode_plan, None,
+                                               kv_transfer_params=kv_transfer_params,
+                                               language_model_only=language_model_only)
+        responses = decode.client.generate(decode_leg, Role.DECODE)
+    except BaseException:
+        release()
+        raise
+    start = time.perf_counter()
+    try:
+        first = await anext(responses)
+        timings["engine_first_response"] = (time.perf_counter() - start) * 1000.0
+    except BaseException:
+        release()
+        await responses.aclose()
+        raise
+    grant.release()  # both legs have read their tensors
+    counts, original = _router_counts(prepared)
+    timing_log.request_done(record, mode=Mode.ROUTER.value, counts=counts, timings=timings,
+                            original_tokens=original, expanded_tokens=len(prepared.input_ids), handed_over=start)
+    headers = {"X-Mmgate-Stage-Ms": timing_header(timings), "X-Request-Id": prepared.request_id}
+    return EngineAnswer(prepared, first, responses, release, headers)
+
+
+async def _start_together(state: GatewayState, prepared: PreparedRequest, prefill: Worker, decode: Worker,
+                          record: timing_log.RequestTiming | None) -> EngineAnswer:
+    """The SGLang / TokenSpeed handshake: one minted bootstrap on both legs, sent together (and the EPD legs)."""
+    from mmgate.api.answer import EngineAnswer, _router_counts, timing_header
+
+    request_id = prepared.request_id
     adapter, decode_adapter = prefill.adapter, decode.adapter
     assert adapter is not None and decode_adapter is not None and prefill.client is not None
     assert decode.client is not None
+    language_model_only = decode.caps is not None and decode.caps.language_model_only
     timings = prepared.timings_ms
     plan = adapter.plan(state.settings.transport, prefill.labels)
     decode_plan = replace(decode_adapter.plan(state.settings.transport, decode.labels), shm=False)
@@ -288,7 +434,8 @@ async def start_pd(state: GatewayState, req: ChatCompletionRequest, request_id: 
                 prefill_leg = adapter.encode_epd_prefill(message, plan, lease, boot, [b for _, b, _ in encodes])
             else:
                 prefill_leg = adapter.encode(message, Role.PREFILL, plan, lease, bootstrap=boot)
-            decode_leg = decode_adapter.encode(message, Role.DECODE, decode_plan, None, bootstrap=boot)
+            decode_leg = decode_adapter.encode(message, Role.DECODE, decode_plan, None, bootstrap=boot,
+                                               language_model_only=language_model_only)
         if prefill_leg.pending:
             with metrics.stage("preprocess", timings):
                 await prefill_leg.fill()
