@@ -241,15 +241,58 @@ class TransportSettings:
     max_inflight_bytes: int | None = None  # None: unbounded
     budget_wait_s: float = 2.0  # how long a request waits for room before 429
     pixel_cache_bytes: int = 0  # 0: off
+    #: TokenSpeed workers: (modality, encoder dtype) pairs from SMG's environment overrides
+    #: (:func:`tokenspeed_encoder_dtypes`), ahead of ``encoder_dtype`` and the worker's label
+    tokenspeed_encoder_dtypes: tuple[tuple[str, str], ...] = ()
 
 
-def _transport_settings(ns: argparse.Namespace) -> TransportSettings:
+#: SMG's TokenSpeed encoder-input dtype overrides (``transport.rs`` ``mm_modality_encoder_input_dtype_from_env``,
+#: ``mm_default_encoder_input_dtype_from_env``): per modality first, then the TokenSpeed-wide one
+ENV_TOKENSPEED_ENCODER_DTYPE = "SMG_TOKENSPEED_ENCODER_INPUT_DTYPE"
+ENV_TOKENSPEED_MODALITY_ENCODER_DTYPE = (("image", "SMG_TOKENSPEED_IMAGE_ENCODER_INPUT_DTYPE"),
+                                         ("video", "SMG_TOKENSPEED_VIDEO_ENCODER_INPUT_DTYPE"),
+                                         ("audio", "SMG_TOKENSPEED_AUDIO_ENCODER_INPUT_DTYPE"))
+
+
+def tokenspeed_encoder_dtypes(environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """The per-modality encoder-input dtypes for TokenSpeed workers set in ``environ``: (modality, dtype) pairs.
+
+    SMG's precedence (``transport.rs`` ``resolve_mm_encoder_input_dtype``): the modality's variable, then
+    ``SMG_TOKENSPEED_ENCODER_INPUT_DTYPE``, then the worker's ``multimodal_encoder_dtype`` label (or an explicit
+    ``--multimodal-encoder-dtype``, which mmgate puts in the label's place).  A ``torch.`` prefix is accepted.
+
+    Raises:
+        ValueError: a value that is not float32, bfloat16 or float16 (names the variable).
+    """
+    def read(name: str) -> str | None:
+        raw = environ.get(name, "").strip().removeprefix("torch.")
+        if not raw:
+            return None
+        if raw not in ENCODER_DTYPES:
+            raise ValueError(f"{name} must be float32, bfloat16 or float16, not {raw!r}")
+        return raw
+
+    default = read(ENV_TOKENSPEED_ENCODER_DTYPE)
+    return tuple((modality, value) for modality, name in ENV_TOKENSPEED_MODALITY_ENCODER_DTYPE
+                 if (value := read(name) or default) is not None)
+
+
+def _transport_settings(ns: argparse.Namespace, environ: Mapping[str, str]) -> TransportSettings:
     """The :class:`TransportSettings` of a resolved ``mmgate serve`` namespace (bounds checked by
-    :func:`mmgate.options.resolve`)."""
+    :func:`mmgate.options.resolve`) and the environment's TokenSpeed dtype overrides.
+
+    Raises:
+        SystemExit: an unreadable TokenSpeed dtype override.
+    """
+    try:
+        tokenspeed = tokenspeed_encoder_dtypes(environ)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     return TransportSettings(tensor_transport=TensorTransport(ns.multimodal_tensor_transport),
                              shm_min_bytes=ns.multimodal_shm_min_bytes, encoder_dtype=ns.multimodal_encoder_dtype,
                              max_inflight_bytes=ns.multimodal_max_inflight_bytes,
-                             pixel_cache_bytes=int(ns.mm_pixel_cache_mb * 1024 * 1024))
+                             pixel_cache_bytes=int(ns.mm_pixel_cache_mb * 1024 * 1024),
+                             tokenspeed_encoder_dtypes=tokenspeed)
 
 
 class MmProcessing(StrEnum):
@@ -490,7 +533,7 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         chat_template_content_format=ns.chat_template_content_format,
         fetch=fetch_settings(ns),
         video=video_settings(ns),
-        transport=_transport_settings(ns),
+        transport=_transport_settings(ns, environ),
         http=http,
         mm_processing=MmProcessing(ns.mm_processing),
         mm_processing_models=None if ns.mm_processing_models is None else tuple(ns.mm_processing_models),

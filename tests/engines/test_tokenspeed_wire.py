@@ -31,6 +31,7 @@ from PIL import Image
 from smg_grpc_proto.generated import tokenspeed_scheduler_pb2 as pb
 
 from mmgate.api.protocol import parse_chat_request
+from mmgate.engines.adapter import TokenSpeedAdapter
 from mmgate.engines.base import Bootstrap, Role
 from mmgate.engines.tokenspeed import (
     build_encode_request,
@@ -41,7 +42,7 @@ from mmgate.engines.tokenspeed import (
     materialize,
 )
 from mmgate.errors import ErrorCode, GatewayError
-from mmgate.settings import TensorTransport, TransportSettings
+from mmgate.settings import TensorTransport, TransportSettings, parse_settings
 from mmgate.transport.dtypes import EncoderDtype
 from mmgate.transport.policy import INLINE_FLOAT32, wire_plan
 from mmgate.transport.shm import ShmLease
@@ -483,3 +484,22 @@ def test_inline_plan_is_the_default() -> None:
     prepared, _ = image_case(QWEN2_5)
     assert build_generate_request(prepared, Role.SINGLE) == build_generate_request(prepared, Role.SINGLE,
                                                                                    INLINE_FLOAT32, ShmLease())
+
+
+def test_the_overrides_reach_the_wire_from_serve_settings_through_the_adapter_plan(worker, clip_files) -> None:
+    """``mmgate serve`` reads the SMG variables once (``parse_settings``); the TokenSpeed adapter's plan
+    carries them, so the item dtypes follow them without the caller passing anything."""
+    parts = [image_part(IMAGES[1]), video_part(clip_files[0])]
+    prepared = prepare(QWEN3, parts, "Which?")
+    settings = parse_settings(["--model", "m"], {"SMG_TOKENSPEED_ENCODER_INPUT_DTYPE": "bfloat16",
+                                                 "SMG_TOKENSPEED_VIDEO_ENCODER_INPUT_DTYPE": "float16"})
+    assert settings.transport.tokenspeed_encoder_dtypes == (("image", "bfloat16"), ("video", "float16"),
+                                                            ("audio", "bfloat16"))
+    plan = TokenSpeedAdapter().plan(settings.transport, {"multimodal_encoder_dtype": "float32"})
+    got, _ = send(worker, build_generate_request(prepared, Role.SINGLE, plan))
+    assert [(it.modality, it.encoder_dtype) for it in got.items] == [("IMAGE", "bfloat16"), ("VIDEO", "float16")]
+    plain = TokenSpeedAdapter().plan(parse_settings(["--model", "m"], {}).transport, {"multimodal_encoder_dtype": "float32"})
+    got, _ = send(worker, build_generate_request(prepared, Role.SINGLE, plain))
+    assert [it.encoder_dtype for it in got.items] == ["float32", "float32"]
+    with pytest.raises(SystemExit, match="SMG_TOKENSPEED_IMAGE_ENCODER_INPUT_DTYPE"):
+        parse_settings(["--model", "m"], {"SMG_TOKENSPEED_IMAGE_ENCODER_INPUT_DTYPE": "int4"})

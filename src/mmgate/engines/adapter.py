@@ -43,9 +43,10 @@ from mmgate.engines.probe import SERVICES
 from mmgate.engines.rpc_errors import map_rpc_error
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.settings import TransportSettings
+from mmgate.transport.dtypes import EncoderDtype
 from mmgate.transport.policy import WirePlan, wire_plan
 from mmgate.transport.shm import ShmLease
-from mmgate.types import MediaRef, PreparedRequest
+from mmgate.types import MediaRef, Modality, PreparedRequest
 
 
 class WireAdapter(ABC):
@@ -207,6 +208,13 @@ class TokenSpeedAdapter(WireAdapter):
 
     async def materialize(self, prepared: PreparedRequest) -> PreparedRequest:
         return await tokenspeed.materialize(prepared)
+
+    def plan(self, transport: TransportSettings, labels: Mapping[str, str]) -> WirePlan:
+        """The common plan, with the environment's per-modality encoder dtypes ahead of the worker's label
+        (``SMG_TOKENSPEED_{IMAGE,VIDEO,AUDIO}_ENCODER_INPUT_DTYPE``, ``SMG_TOKENSPEED_ENCODER_INPUT_DTYPE``:
+        :func:`mmgate.settings.tokenspeed_encoder_dtypes`)."""
+        return replace(super().plan(transport, labels), modality_encoder_dtypes=tuple(
+            (Modality(modality), EncoderDtype(dtype)) for modality, dtype in transport.tokenspeed_encoder_dtypes))
 
     def build(self, prepared: PreparedRequest, role: Role, plan: WirePlan, lease: ShmLease | None,
               bootstrap: Bootstrap | None = None, kv_transfer_params: str | None = None) -> Any:

@@ -52,6 +52,7 @@ from mmgate import metrics, timing_log
 from mmgate.engines.base import Bootstrap, EngineEvent, Role
 from mmgate.engines.responses import response_events
 from mmgate.errors import ErrorCode, GatewayError
+from mmgate.settings import tokenspeed_encoder_dtypes
 from mmgate.transport import shm
 from mmgate.transport.dtypes import EncoderDtype, convert_encoder_input
 from mmgate.transport.inline import wire_dtype_name
@@ -73,13 +74,6 @@ ENGINE = "tokenspeed"
 _pb = tokenspeed_scheduler_pb2
 _MODALITY = {Modality.IMAGE: common_pb2.IMAGE, Modality.VIDEO: common_pb2.VIDEO, Modality.AUDIO: common_pb2.AUDIO}
 
-#: SMG's TokenSpeed encoder-input dtype overrides (``transport.rs`` ``mm_modality_encoder_input_dtype_from_env``,
-#: ``mm_default_encoder_input_dtype_from_env``): per modality first, then the TokenSpeed-wide one
-ENV_ENCODER_DTYPE = "SMG_TOKENSPEED_ENCODER_INPUT_DTYPE"
-ENV_MODALITY_ENCODER_DTYPE = {Modality.IMAGE: "SMG_TOKENSPEED_IMAGE_ENCODER_INPUT_DTYPE",
-                              Modality.VIDEO: "SMG_TOKENSPEED_VIDEO_ENCODER_INPUT_DTYPE",
-                              Modality.AUDIO: "SMG_TOKENSPEED_AUDIO_ENCODER_INPUT_DTYPE"}
-
 _UINT32, _INT32, _UINT64, _INT64 = (0, 2**32 - 1), (-(2**31), 2**31 - 1), (0, 2**64 - 1), (0, 2**63 - 1)
 
 
@@ -88,32 +82,13 @@ def _bug(message: str) -> GatewayError:
 
 
 def encoder_dtype_overrides(environ: Mapping[str, str]) -> dict[Modality, EncoderDtype]:
-    """The per-modality encoder-input dtype overrides set in ``environ`` (for ``settings.py``).
-
-    SMG's precedence (``transport.rs`` ``resolve_mm_encoder_input_dtype``): the modality's
-    variable, then ``SMG_TOKENSPEED_ENCODER_INPUT_DTYPE``, then the worker's
-    ``multimodal_encoder_dtype`` label (here: ``WirePlan.encoder_dtype``, which also holds an
-    explicit ``--multimodal-encoder-dtype``).  A ``torch.`` prefix is accepted.
+    """The per-modality encoder-input dtype overrides set in ``environ``, typed
+    (:func:`mmgate.settings.tokenspeed_encoder_dtypes` reads them, SMG's precedence).
 
     Raises:
         ValueError: a value that is not float32, bfloat16 or float16 (names the variable).
     """
-    def read(name: str) -> EncoderDtype | None:
-        raw = environ.get(name, "").strip().removeprefix("torch.")
-        if not raw:
-            return None
-        try:
-            return EncoderDtype(raw)
-        except ValueError:
-            raise ValueError(f"{name} must be float32, bfloat16 or float16, not {raw!r}") from None
-
-    default = read(ENV_ENCODER_DTYPE)
-    out = {}
-    for modality, name in ENV_MODALITY_ENCODER_DTYPE.items():
-        value = read(name) or default
-        if value is not None:
-            out[modality] = value
-    return out
+    return {Modality(modality): EncoderDtype(dtype) for modality, dtype in tokenspeed_encoder_dtypes(environ)}
 
 
 # --- items ------------------------------------------------------------------------------------------
@@ -241,7 +216,8 @@ def _item(req: PreparedRequest, batch: EncoderBatch, index: int, with_input: boo
 
 def _encoder_dtype(modality: Modality, wire: WirePlan,
                    overrides: Mapping[Modality, EncoderDtype] | None) -> EncoderDtype:
-    return (overrides or {}).get(modality, wire.encoder_dtype)
+    """``overrides`` first (a caller's), then the plan's own (:meth:`WirePlan.encoder_dtype_for`)."""
+    return overrides[modality] if overrides and modality in overrides else wire.encoder_dtype_for(modality)
 
 
 async def materialize(req: PreparedRequest) -> PreparedRequest:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from mmgate.settings import TensorTransport, TransportSettings
 from mmgate.transport.dtypes import EncoderDtype
 from mmgate.transport.shm import shm_namespace_id
+from mmgate.types import Modality
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +32,13 @@ class WirePlan:
     shm_min_bytes: int
     encoder_dtype: EncoderDtype
     device_normalize: bool  # send uint8 pixels; the worker normalizes
+    #: per-modality encoder dtypes that take precedence over ``encoder_dtype`` (TokenSpeed's environment
+    #: overrides, set by its adapter's plan): (modality, dtype) pairs
+    modality_encoder_dtypes: tuple[tuple[Modality, EncoderDtype], ...] = ()
+
+    def encoder_dtype_for(self, modality: Modality) -> EncoderDtype:
+        """The wire dtype of ``modality``'s encoder input: its override, else ``encoder_dtype``."""
+        return dict(self.modality_encoder_dtypes).get(modality, self.encoder_dtype)
 
     def use_shm(self, nbytes: int) -> bool:
         return self.shm and nbytes >= self.shm_min_bytes
