@@ -1,6 +1,7 @@
 """``mmgate serve | engine | sidecar | demo``.
 
-* ``serve``: the OpenAI-compatible gateway (flags in :mod:`mmgate.settings`).
+* ``serve``: the OpenAI-compatible gateway (flags in :mod:`mmgate.settings`; ``--workers N``:
+  N gateway processes on one port, :mod:`mmgate.api.multiproc`).
 * ``engine``: the CPU reference engine (:mod:`mmgate.refengine`).
 * ``sidecar``: the Redis media-processing sidecar (:mod:`mmgate.sidecar`).
 * ``demo``: the quick start — starts a reference engine and a gateway on
@@ -23,17 +24,27 @@ from collections.abc import Sequence
 def serve(argv: Sequence[str]) -> int:
     """Run the gateway until interrupted (uvicorn with the limits of :mod:`mmgate.api.server`).
 
-    Returns 0 after a clean stop, 1 when the server did not start (port taken), 2 on a bad model.
+    With ``--workers N`` (N > 1) this process only supervises N gateway processes serving the same
+    port (:mod:`mmgate.api.multiproc`); with the default 1 it is the gateway.
+
+    Returns 0 after a clean stop, 1 when the server did not start (port taken) or, with ``--workers``,
+    a process kept dying, 2 on a bad model.
     """
+    from mmgate.settings import parse_settings
+
+    settings = parse_settings(argv, os.environ)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.processes > 1:
+        from mmgate.api.multiproc import Supervisor
+
+        return Supervisor(settings, argv, os.environ).run()
+
     import uvicorn
 
     from mmgate.api.app import build_state, create_app
     from mmgate.api.server import uvicorn_config
     from mmgate.errors import GatewayError
-    from mmgate.settings import parse_settings
 
-    settings = parse_settings(argv, os.environ)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         state = build_state(settings)
     except GatewayError as exc:

@@ -131,18 +131,52 @@ def start_engine(model: str, extra: Sequence[str] = (), log_dir: Path | None = N
     return child
 
 
+def wait_processes(child: Child, processes: int, want_workers: int = 0, timeout_s: float = 60.0) -> None:
+    """Wait until ``processes`` distinct processes of a ``--workers`` gateway each answered ``/health`` with
+    ``want_workers`` healthy workers (told apart by their ``X-Mmgate-Process`` header; each probe opens a new
+    connection, which the kernel hands to one of the ``SO_REUSEPORT`` sockets).
+
+    Raises:
+        RuntimeError: the gateway exited, or not every process answered in ``timeout_s`` seconds.
+    """
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if child.proc.poll() is not None:
+            raise RuntimeError(f"{child.name} exited ({child.proc.returncode}):\n{child.log_tail()}")
+        try:
+            r = httpx.get(f"http://127.0.0.1:{child.port}/health", timeout=1.0)
+            if gateway_answers(r, want_workers) and r.headers.get("x-mmgate-process"):
+                seen.add(r.headers["x-mmgate-process"])
+        except httpx.HTTPError:
+            pass
+        if len(seen) >= processes:
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"{child.name}: {len(seen)} of {processes} processes answered in {timeout_s}s:\n"
+                       f"{child.log_tail()}")
+
+
 def start_gateway(model: str, worker_ports: Sequence[int], extra: Sequence[str] = (), log_dir: Path | None = None,
-                  env: Mapping[str, str] | None = None, port: int | None = None) -> Child:
-    """Start ``mmgate serve`` on 127.0.0.1 and wait until every worker is healthy."""
+                  env: Mapping[str, str] | None = None, port: int | None = None, processes: int = 1) -> Child:
+    """Start ``mmgate serve`` on 127.0.0.1 and wait until every worker is healthy.
+
+    ``processes`` > 1: ``--workers processes``, and the wait lasts until every gateway process answered
+    (:func:`wait_processes`).
+    """
     port = port or free_port()
     urls = [f"grpc://127.0.0.1:{p}" for p in worker_ports]
     args = ["mmgate.cli", "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port), "--log-level",
             "warning"]
     if urls:
         args += ["--worker-urls", *urls]
+    if processes > 1:
+        args += ["--workers", str(processes)]
     child = _spawn("gateway", [*args, *extra], port, log_dir, env)
     try:
         wait_http_health(child, want_workers=len(urls))
+        if processes > 1:
+            wait_processes(child, processes, want_workers=len(urls))
     except BaseException:
         child.stop()
         raise

@@ -41,6 +41,7 @@ class ImageBackend(StrEnum):
 
 
 ENV_MODEL_PATH = "MMGATE_MODEL_PATH"
+ENV_WORKERS = "MMGATE_WORKERS"  # --workers: gateway processes serving the port
 ENV_IMAGE_BACKEND = "MMGATE_IMAGE_BACKEND"
 ENV_IMAGE_MAX_BYTES = "SMG_IMAGE_MAX_INPUT_BYTES"
 ENV_VIDEO_MAX_BYTES = "SMG_VIDEO_MAX_INPUT_BYTES"
@@ -334,6 +335,8 @@ class Settings:
     encode_policy: str = "consistent_hashing"  # consistent_hashing | round_robin | random
     host: str = "127.0.0.1"
     port: int = 30000
+    #: ``--workers``: gateway processes serving the port (:mod:`mmgate.api.multiproc`); 1: this process alone
+    processes: int = 1
     image_backend: ImageBackend = ImageBackend.AUTO
     item_limits: Mapping[str, int] = field(default_factory=dict)  # per-modality overrides
     default_max_tokens: int = 64
@@ -423,6 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(g, "--served-model-name", help="model name clients send and /v1/models lists (default: --model)")
     add_option(g, "--host", default="127.0.0.1", help="address the HTTP server listens on")
     add_option(g, "--port", type=int, default=30000, minimum=0, help="port the HTTP server listens on")
+    add_option(g, "--workers", type=int, default=1, minimum=1, env=(ENV_WORKERS,),
+               help="gateway processes serving the port, each a full gateway (SO_REUSEPORT; docs/performance.md, "
+                    "\"Many cores\"); 1: this process alone; --preprocess-threads 0 shares the cores among them")
     add_option(g, "--default-max-tokens", type=int, default=64, help="completion budget when a request sets none")
     add_option(g, "--max-model-len", type=int, default=0,
                help="context length in tokens (prompt + completion); 0: the bundle's max_position_embeddings")
@@ -453,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(g, "--mm-processing-models", nargs="*", default=None, metavar="MODEL",
                help="models opted in to worker-side processing (served or bundle name); unset: every model")
     add_option(g, "--preprocess-threads", type=int, default=0, minimum=0,
-               help="threads preprocessing media in the gateway (0: os.cpu_count())")
+               help="threads preprocessing media in the gateway (0: os.cpu_count(); with --workers N: ceil(cores / N) per process)")
     g = p.add_argument_group("workers")
     add_option(g, "--worker-urls", nargs="*", default=[], metavar="URL", help="grpc://HOST:PORT of engine workers")
     add_option(g, "--worker-health-interval", type=float, default=5.0, help="seconds between worker health probes")
@@ -526,6 +532,7 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         worker_urls=tuple(ns.worker_urls),
         host=ns.host,
         port=ns.port,
+        processes=ns.workers,
         image_backend=ImageBackend(ns.image_backend),
         item_limits=item_limits(ns, environ),
         default_max_tokens=ns.default_max_tokens,
