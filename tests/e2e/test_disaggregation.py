@@ -13,6 +13,7 @@ roles (docs/disaggregation.md, docs/refengine-roles.md).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -29,12 +30,19 @@ import pytest
 from PIL import Image
 
 from mmgate.api.protocol import parse_chat_request
-from mmgate.engines.base import Capabilities, Role, Wire
+from mmgate.engines.base import Capabilities, EncodedRequest, Role, Wire
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.launch import Child, start_gateway, wait_http_health
 from mmgate.refengine.config import EngineConfig
 from mmgate.refengine.server import RunningEngine, start_engine
-from mmgate.routing.disagg import ROOM_MAX, check_pd_request, mint_room, pick_encoder
+from mmgate.routing.disagg import (
+    ROOM_MAX,
+    _encode_call,
+    _EncodeFailed,
+    check_pd_request,
+    mint_room,
+    pick_encoder,
+)
 from mmgate.routing.workers import Worker, WorkerRegistry
 from mmgate.settings import MmProcessing, parse_settings
 from tests.conftest import bundle_dir
@@ -308,3 +316,40 @@ def test_a_language_model_only_decode_worker_refuses_what_it_cannot_serve(state:
 
 def test_a_full_decode_worker_refuses_nothing() -> None:
     check_pd_request(_state(True, False), _req(2, True))
+
+
+def test_an_encode_call_counts_on_its_encode_worker_while_it_runs() -> None:
+    """Encode-worker load: each ``Encode`` RPC is in the worker's ``in_flight`` (``GET /workers``) while it runs,
+    and released when it answers or fails (the failure wrapped as the encode worker's)."""
+    async def scenario() -> tuple[list[int], int, int, bool]:
+        gate = asyncio.Event()
+        seen: list[int] = []
+
+        class Client:
+            fail = False
+
+            async def unary(self, method: str, parse: Any, request: EncodedRequest) -> None:
+                seen.append(worker.in_flight)
+                await gate.wait()
+                if Client.fail:
+                    raise GatewayError(ErrorCode.ENGINE_UNAVAILABLE, "gone")
+
+        worker = Worker(url="grpc://127.0.0.1:1", target="127.0.0.1:1", client=Client(),  # type: ignore[arg-type]
+                        wire=Wire.TOKENSPEED.value, assigned_role=Role.ENCODE)
+        calls = [asyncio.create_task(_encode_call(worker, EncodedRequest(b""))) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        during = worker.in_flight
+        gate.set()
+        await asyncio.gather(*calls)
+        after = worker.in_flight
+        Client.fail, gate = True, asyncio.Event()
+        gate.set()
+        try:
+            await _encode_call(worker, EncodedRequest(b""))
+            failed = False
+        except _EncodeFailed:
+            failed = True
+        return seen, during, after + worker.in_flight, failed
+
+    seen, during, after, failed = asyncio.run(scenario())
+    assert seen == [1, 2, 1] and during == 2 and after == 0 and failed

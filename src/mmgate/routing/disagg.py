@@ -203,13 +203,18 @@ class _EncodeFailed(Exception):
 
 
 async def _encode_call(worker: Worker, request: EncodedRequest) -> None:
+    """One item's ``Encode`` RPC, counted in the encode worker's ``in_flight`` while it runs (``GET /workers``,
+    ``mmgate_active_requests``)."""
     adapter = worker.adapter
     assert isinstance(adapter, TokenSpeedAdapter) and worker.client is not None
     method, parse = adapter.encode_rpc()
+    release = worker.hold()
     try:
         await worker.client.unary(method, parse, request)
     except GatewayError as exc:
         raise _EncodeFailed(worker, exc) from exc
+    finally:
+        release()
 
 
 async def _side(prefill: AsyncGenerator[EngineEvent, None],
