@@ -20,6 +20,14 @@ arithmetic.  :class:`RowNormalizer` picks a vectorized float32 formula only if
 it reproduces that ``[C, 256]`` table bit for bit on **every** entry (an
 exhaustive check over the whole input domain, done once per configuration), and
 gathers the table otherwise.
+
+Two implementations of :func:`write_rows` / :func:`image_rows`: the compiled kernel of
+:mod:`mmgate.models.patch_native` (``mmgate._native.patchrows``: patchify, gather through
+the ``[C, 256]`` table and repeat along T in one pass, straight into the block buffer or the
+output array, without the GIL), used when it is built, and the numpy path (patchify the
+uint8 image, normalize each block, repeat along T), its fallback (logged once).  Both give
+the same bits: the table is the normalizer's definition and the formula equals it on every
+input; ``tests/models/test_patch_rows_native.py`` compares them.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+
+from mmgate.models import patch_native
 
 #: rows per block: ``64 * C*T*p*p * 4`` bytes (393 KB for Qwen3-VL float32) stays in L2
 BLOCK_ROWS = 64
@@ -112,7 +122,7 @@ def patch_rows_u8(image: npt.NDArray[np.uint8], patch_size: int, merge_size: int
 
 def write_rows(image: npt.NDArray[np.uint8], patch_size: int, merge_size: int, temporal_patch_size: int,
                normalizer: RowNormalizer | None, sink: RowSink, block_rows: int = BLOCK_ROWS,
-               band: tuple[int, int] = (0, 1)) -> int:
+               band: tuple[int, int] = (0, 1), native: bool = True) -> int:
     """Patchify + normalize ``image`` and hand its rows to ``sink`` block by block; returns the row count.
 
     Rows are ``[C, T, p, p]`` flattened, each patch repeated ``temporal_patch_size``
@@ -122,13 +132,21 @@ def write_rows(image: npt.NDArray[np.uint8], patch_size: int, merge_size: int, t
     ``band=(k, n)``: only the k-th of n horizontal bands (whole rows of merged
     patches, whose output rows are contiguous), so n tasks can write one image
     in parallel; ``sink`` still receives image-wide row numbers.
+
+    ``native`` False: the numpy path even where the compiled kernel is built (the same values).
     """
     k, parts = band
     unit = patch_size * merge_size
     merged_rows = image.shape[0] // unit
     r0, r1 = merged_rows * k // parts, merged_rows * (k + 1) // parts
     offset = r0 * merge_size * (image.shape[1] // patch_size)
-    src = patch_rows_u8(image[r0 * unit:r1 * unit], patch_size, merge_size)
+    part = image[r0 * unit:r1 * unit]
+    if native and patch_native.NATIVE:
+        return _write_rows_native(part, patch_size, merge_size, temporal_patch_size, normalizer, sink, block_rows,
+                                  offset)
+    if native:
+        patch_native.warn_fallback()
+    src = patch_rows_u8(part, patch_size, merge_size)
     n, channels, area = src.shape
     t = temporal_patch_size
     dtype = np.dtype(np.uint8) if normalizer is None else np.dtype(np.float32)
@@ -149,16 +167,39 @@ def write_rows(image: npt.NDArray[np.uint8], patch_size: int, merge_size: int, t
     return n
 
 
+def _write_rows_native(part: npt.NDArray[np.uint8], patch_size: int, merge_size: int, temporal_patch_size: int,
+                       normalizer: RowNormalizer | None, sink: RowSink, block_rows: int, offset: int) -> int:
+    """:func:`write_rows` of the band ``part`` with the compiled kernel, block by block into one buffer.
+
+    (Writing straight into the sink's destination instead of a cache-resident block measured
+    no faster for large images: the block's copy streams into fresh pages better than the
+    kernel's scattered row stores.)
+    """
+    n = 0  # a band with no merged-patch row (more bands than rows) has none
+    for start, block in patch_native.blocks(part, patch_size, merge_size, temporal_patch_size,
+                                            None if normalizer is None else normalizer.lut, block_rows):
+        sink(offset + start, block)
+        n = start + len(block)
+    return n
+
+
 def image_rows(image: npt.NDArray[np.uint8], patch_size: int, merge_size: int, temporal_patch_size: int,
-               normalizer: RowNormalizer | None) -> np.ndarray:
-    """:func:`write_rows` into a new array ``[gh*gw, C*T*p*p]`` (float32, or uint8 when ``normalizer`` is None)."""
+               normalizer: RowNormalizer | None, native: bool = True) -> np.ndarray:
+    """:func:`write_rows` into a new array ``[gh*gw, C*T*p*p]`` (float32, or uint8 when ``normalizer`` is None).
+
+    With the compiled kernel (``native`` and built), written in one call straight into the array.
+    """
     height, width, channels = image.shape
     n = (height // patch_size) * (width // patch_size)
     out = np.empty((n, channels * temporal_patch_size * patch_size * patch_size),
                    dtype=np.uint8 if normalizer is None else np.float32)
+    if native and patch_native.NATIVE and n:
+        patch_native.fill_rows(image, patch_size, merge_size, temporal_patch_size,
+                               None if normalizer is None else normalizer.lut, out)
+        return out
 
     def into(start: int, rows: np.ndarray) -> None:
         out[start:start + len(rows)] = rows
 
-    write_rows(image, patch_size, merge_size, temporal_patch_size, normalizer, into)
+    write_rows(image, patch_size, merge_size, temporal_patch_size, normalizer, into, native=native)
     return out

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mmgate.models import geometry
+from mmgate.models import geometry, patch_native
 from mmgate.models.image_rows import BLOCK_ROWS, RowNormalizer
 from mmgate.settings import ImageBackend
 
@@ -79,5 +79,12 @@ class FrameProcessor:
             for i, frame in enumerate(frames):
                 resized[i] = geometry.resize_uint8(frame, size_hw, resample, self.backend)
             frames = resized
+        if patch_native.NATIVE:  # pad, patchify and normalize in one compiled pass (the same values)
+            out = np.empty((patch_native.row_count(frames.shape, patch_size, temporal_patch_size),
+                            frames.shape[3] * temporal_patch_size * patch_size * patch_size),
+                           dtype=np.uint8 if raw else np.float32)
+            patch_native.fill_rows(frames, patch_size, merge_size, temporal_patch_size,
+                                   None if raw else self.normalizer.lut, out)
+            return out
         rows = patchify_video(frames, patch_size, merge_size, temporal_patch_size)
         return rows if raw else normalize_rows(rows, self.normalizer)
