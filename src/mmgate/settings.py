@@ -214,6 +214,26 @@ class HttpSettings:
 _HTTP_DEFAULTS = HttpSettings()
 
 
+@dataclass(frozen=True, slots=True)
+class KeepaliveSettings:
+    """HTTP/2 keepalive of the gateway's engine channels (:func:`mmgate.engines.client.channel_options`;
+    docs/engines.md, "Liveness").
+
+    A connection that carried nothing for ``interval_s`` seconds is pinged; a ping not acknowledged within
+    ``timeout_s`` seconds closes the connection and fails every call on it (``UNAVAILABLE``: 503
+    ``engine_unavailable``), so an engine that goes silent without closing (a frozen process, a partition)
+    ends its requests within about ``interval_s + timeout_s`` seconds.  The defaults are SMG's engine channel
+    profile (lightseekorg/smg ``crates/grpc_client/src/channel.rs`` ``connect_channel``:
+    ``http2_keep_alive_interval(30 s)``, ``keep_alive_timeout(10 s)``, ``keep_alive_while_idle(true)``).
+    """
+
+    interval_s: float = 30.0
+    timeout_s: float = 10.0
+
+
+_KEEPALIVE_DEFAULTS = KeepaliveSettings()
+
+
 class TensorTransport(StrEnum):
     """How encoder tensors travel to a worker (per tensor)."""
 
@@ -356,6 +376,7 @@ class Settings:
     worker_health_interval_s: float = 5.0  # seconds between worker health probes (routing.workers.HealthPolicy)
     worker_health_timeout_s: float = 2.0  # deadline of one health probe RPC
     worker_unhealthy_after: int = 3  # consecutive failed probes (busy timeouts excluded) before a worker is unhealthy
+    engine_keepalive: KeepaliveSettings = field(default_factory=KeepaliveSettings)  # engine channels' HTTP/2 pings
     memory_trim_min_bytes: int = 8 * 1024 * 1024  # a request this large makes the idle gateway malloc_trim; 0: off
     malloc_mmap_threshold: int = 0  # bytes: fixed glibc M_MMAP_THRESHOLD; 0: glibc's dynamic default
 
@@ -467,6 +488,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(g, "--worker-unhealthy-after", type=int, default=3,
                help="consecutive failed probes before a worker is unhealthy (nothing listening: at once; "
                     "a timeout while the worker is busy does not count)")
+    add_option(g, "--engine-keepalive-interval", type=float, default=_KEEPALIVE_DEFAULTS.interval_s, minimum=1,
+               help="seconds an engine connection may carry nothing before the gateway pings it (HTTP/2 keepalive, "
+                    "as SMG's engine channels)")
+    add_option(g, "--engine-keepalive-timeout", type=float, default=_KEEPALIVE_DEFAULTS.timeout_s, minimum=1,
+               help="seconds to wait for a keepalive ping's ack; past it the connection is closed and its requests "
+                    "end with 503 engine_unavailable (a frozen or partitioned engine; docs/engines.md, \"Liveness\")")
     add_option(g, "--pd-disaggregation", action="store_true", default=False,
                help="split each request into a prefill leg and a decode leg (docs/disaggregation.md)")
     add_option(g, "--prefill", action="append", nargs="+", default=None, metavar="URL [BOOTSTRAP_PORT]",
@@ -551,6 +578,8 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         worker_health_interval_s=_positive(ns.worker_health_interval, "--worker-health-interval"),
         worker_health_timeout_s=_positive(ns.worker_health_timeout, "--worker-health-timeout"),
         worker_unhealthy_after=int(_positive(ns.worker_unhealthy_after, "--worker-unhealthy-after")),
+        engine_keepalive=KeepaliveSettings(interval_s=ns.engine_keepalive_interval,
+                                           timeout_s=ns.engine_keepalive_timeout),
         memory_trim_min_bytes=max(0, ns.memory_trim_min_bytes),
         malloc_mmap_threshold=_mmap_threshold(ns.malloc_mmap_threshold),
     )

@@ -12,6 +12,13 @@ Health probes (:meth:`WorkerClient.probe`) classify a failure instead of folding
 tell busy from dead.  ``last_answer`` is when any call of this client last got a message back
 (a Generate stream answering is proof of life too).  A worker whose known service starts
 answering ``UNIMPLEMENTED`` (another engine now listens there) is detected again.
+
+Liveness: calls carry no deadline (a generation may run for minutes); a peer that goes silent without
+closing (a frozen engine process, a network partition) is found by HTTP/2 keepalive pings on the channel
+(:func:`channel_options`, SMG's engine channel profile), which close the connection and fail every call on
+it with ``UNAVAILABLE`` -> 503 ``engine_unavailable`` (an ``error`` event in a started stream) within about
+``interval_s + timeout_s`` of the last byte the engine sent.  Health probes cannot do this: a probe timing
+out while a request is in flight counts as "busy" (:mod:`mmgate.routing.workers`).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from mmgate.engines.base import (
 )
 from mmgate.engines.probe import DETECTION_ORDER, SERVICES, WireService
 from mmgate.errors import ErrorCode, GatewayError
+from mmgate.settings import KeepaliveSettings
 from mmgate.transport.limits import GRPC_MAX_MESSAGE_BYTES
 
 log = logging.getLogger("mmgate.engines")
@@ -45,6 +53,37 @@ CHANNEL_OPTIONS = [
     # A restarted worker is reconnected within a few seconds (gRPC's default backoff grows to 120 s).
     ("grpc.max_reconnect_backoff_ms", 5000),
 ]
+
+
+#: SMG's engine channel keepalive (ping after 30 s of silence, 10 s for the ack): ``--engine-keepalive-*``
+DEFAULT_KEEPALIVE = KeepaliveSettings()
+
+
+def channel_options(keepalive: KeepaliveSettings) -> list[tuple[str, int]]:
+    """:data:`CHANNEL_OPTIONS` plus HTTP/2 keepalive, as SMG's engine channels (lightseekorg/smg
+    ``crates/grpc_client/src/channel.rs`` ``connect_channel``: tonic ``http2_keep_alive_interval``,
+    ``keep_alive_timeout``, ``keep_alive_while_idle(true)``), in grpc core's channel arguments.
+
+    * ``grpc.keepalive_time_ms``: ping once the connection received nothing for ``interval_s`` (grpc core
+      restarts the timer on every read, so a connection carrying answers or health probes is never pinged;
+      core clamps it only to 1 ms -- grpc-go and grpc-java raise a client's to 10 s, tonic not at all);
+    * ``grpc.keepalive_timeout_ms`` and ``grpc.http2.ping_timeout_ms``: how long an ack may take.  grpc core
+      1.85 times a keepalive ping out with the second (its default is 60 s), not the first: both are set;
+    * ``grpc.keepalive_permit_without_calls``: ping an idle connection too (``keep_alive_while_idle``);
+    * ``grpc.http2.max_pings_without_data`` 0: keep pinging while the gateway sends nothing.  The default (2)
+      stops the pings of a connection whose only call waits on a silent stream, which is the hang this is for.
+
+    The engine must accept pings this frequent (docs/engines.md, "Liveness").
+    """
+    timeout_ms = round(keepalive.timeout_s * 1000)
+    return [
+        *CHANNEL_OPTIONS,
+        ("grpc.keepalive_time_ms", round(keepalive.interval_s * 1000)),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        ("grpc.http2.ping_timeout_ms", timeout_ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
 
 
 def probe_outcome(code: grpc.StatusCode) -> ProbeOutcome:
@@ -61,13 +100,14 @@ class _NotThisService(Exception):
 
 
 class WorkerClient:
-    """An async client for one worker at ``host:port`` (created on the serving event loop)."""
+    """An async client for one worker at ``host:port`` (created on the serving event loop); its channel pings
+    the worker as ``keepalive`` says (:func:`channel_options`)."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, keepalive: KeepaliveSettings = DEFAULT_KEEPALIVE) -> None:
         self.target = target
         self.wire: Wire | None = None  # detected by the first probe that reaches the worker
         self.last_answer = 0.0  # time.monotonic() of the last message any RPC got back; 0.0: none yet
-        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._channel = grpc.aio.insecure_channel(target, options=channel_options(keepalive))
         self._methods: dict[tuple[str, bool], Any] = {}
         self._warned = False
 

@@ -51,6 +51,18 @@ logger = logging.getLogger("mmgate.refengine")
 
 #: pixel tensors travel inline; gRPC's 4 MiB default is far too small
 MAX_MESSAGE_BYTES = 1 << 30
+#: HTTP/2 ping policy: accept a gateway's keepalive pings (``mmgate serve --engine-keepalive-*``, SMG's 30 s),
+#: idle or in a long silent stream, as smg-grpc-servicer 0.14.1's TokenSpeed server does (``tokenspeed/server.py``
+#: ``_grpc_server_options``; with ``max_ping_strikes`` 0 even a faster pinger is never sent away).  grpc core's
+#: server defaults (5 min between pings without data, 2 strikes) would answer a pinging gateway with GOAWAY
+#: ``too_many_pings`` during a long silent stream.  Spelling: core's RECV interval argument is
+#: ``grpc.http2.min_ping_interval_without_data_ms``; ``grpc.http2.min_recv_ping_interval_without_data_ms`` is
+#: silently ignored (docs/engines.md, "Liveness").
+PING_POLICY = [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
 #: the engine service each wire serves (and names as the health service's readiness service)
 ENGINE_SERVICES = {Wire.VLLM: VLLM_SERVICE, Wire.SGLANG: SGLANG_SERVICE, Wire.TOKENSPEED: TOKENSPEED_SERVICE}
 
@@ -114,6 +126,7 @@ def start_engine(config: EngineConfig) -> RunningEngine:
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            *PING_POLICY,
         ],
     )
     servicer = _register(config, core, server)

@@ -46,12 +46,12 @@ from mmgate import metrics
 from mmgate.engines.adapter import WireAdapter, adapter_for
 from mmgate.engines.base import Capabilities, Probe, ProbeOutcome, Role
 from mmgate.engines.capabilities import MediaKind, any_wire_takes, takes, takes_all
-from mmgate.engines.client import WorkerClient
+from mmgate.engines.client import DEFAULT_KEEPALIVE, WorkerClient
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.types import Modality
 
 if TYPE_CHECKING:
-    from mmgate.settings import Settings
+    from mmgate.settings import KeepaliveSettings, Settings
 
 log = logging.getLogger("mmgate.routing")
 
@@ -190,7 +190,8 @@ class WorkerRegistry:
 
     def __init__(self, urls: Iterable[str], policy: HealthPolicy | None = None,
                  prefill: Iterable[tuple[str, int | None]] = (), decode: Iterable[str] = (),
-                 encode: Iterable[tuple[str, int | None]] = ()) -> None:
+                 encode: Iterable[tuple[str, int | None]] = (),
+                 keepalive: KeepaliveSettings = DEFAULT_KEEPALIVE) -> None:
         self.workers = [Worker(url=u, target=parse_worker_url(u)) for u in urls]
         self.workers += [Worker(url=u, target=parse_worker_url(u), assigned_role=Role.PREFILL, bootstrap_port=port)
                          for u, port in prefill]
@@ -198,6 +199,7 @@ class WorkerRegistry:
         self.workers += [Worker(url=u, target=parse_worker_url(u), assigned_role=Role.ENCODE, bootstrap_port=port)
                          for u, port in encode]
         self.policy = policy or HealthPolicy()
+        self.keepalive = keepalive  # of every worker's channel (--engine-keepalive-*)
         self._task: asyncio.Task[None] | None = None
 
     @classmethod
@@ -210,7 +212,8 @@ class WorkerRegistry:
         return cls(settings.worker_urls, HealthPolicy(interval_s=settings.worker_health_interval_s,
                                                       timeout_s=settings.worker_health_timeout_s,
                                                       unhealthy_after=settings.worker_unhealthy_after),
-                   prefill=settings.prefill_workers, decode=settings.decode_workers, encode=settings.encode_workers)
+                   prefill=settings.prefill_workers, decode=settings.decode_workers, encode=settings.encode_workers,
+                   keepalive=settings.engine_keepalive)
 
     @property
     def health_interval_s(self) -> float:
@@ -227,7 +230,7 @@ class WorkerRegistry:
 
     async def _probe(self, worker: Worker) -> None:
         if worker.client is None:
-            worker.client = WorkerClient(worker.target)
+            worker.client = WorkerClient(worker.target, self.keepalive)
         was = worker.healthy
         probe = await worker.client.probe(self.policy.timeout_s)
         healthy = worker.record_probe(probe, self.policy, time.monotonic(), worker.client.last_answer)
