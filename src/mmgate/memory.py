@@ -24,7 +24,19 @@ both from ``mallopt(3)`` / ``malloc_trim(3)``:
   reference cycles left by finished requests (frames, futures) keep their
   buffers alive (measured: ~100-150 MiB of a 24-request burst).
 
-On a C library other than glibc both are no-ops that return ``False``.
+Under load the opposite matters: a request's inline ``pixel_values`` (29.5 MB for a 1280x960 Qwen3-VL
+image) and grpc's copy of the request are allocated and freed once per request.  Served by mmap (glibc's
+dynamic threshold starts at 128 KiB) or trimmed off the heap's top after every free, each request faults
+its ~60 MB in again: ~14,400 minor faults and ~27 ms of CPU per request at c=1 (``benchmarks/e2e_gateway.py``,
+inline 1280x960: 50.5 ms CPU/request against 23.2 ms with the defaults below).  The gateway's defaults
+(``--malloc-mmap-threshold 32 MiB``, glibc's largest, and ``--malloc-trim-threshold 64 MiB``) keep blocks up to
+32 MiB on the heap and up to 64 MiB of free memory at its top between requests; with one arena
+(``--malloc-arena-max 1``: ``malloc_trim`` cannot return the free top of a thread arena's heap, measured
++40 MiB left after the idle trim with glibc's 8 per core) the idle trim above returns the rest once the
+gateway is idle.  Peak RSS stayed at or below the Rust gateway's in every cell of the
+benchmark (docs/performance.md).
+
+On a C library other than glibc all of these are no-ops that return ``False``.
 """
 
 from __future__ import annotations
@@ -41,6 +53,10 @@ log = logging.getLogger("mmgate.memory")
 
 #: ``mallopt`` parameter number of ``M_MMAP_THRESHOLD`` (glibc ``malloc.h``)
 M_MMAP_THRESHOLD = -3
+#: ``mallopt`` parameter number of ``M_TRIM_THRESHOLD`` (glibc ``malloc.h``)
+M_TRIM_THRESHOLD = -1
+#: ``mallopt`` parameter number of ``M_ARENA_MAX`` (glibc ``malloc.h``)
+M_ARENA_MAX = -8
 #: glibc's largest accepted ``M_MMAP_THRESHOLD`` on 64-bit (``HEAP_MAX_SIZE / 2``)
 MAX_MMAP_THRESHOLD = 32 * 1024 * 1024
 
@@ -99,6 +115,41 @@ def set_mmap_threshold(nbytes: int) -> bool:
     if _LIBC is None:
         return False
     return bool(_LIBC.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(nbytes)))
+
+
+def set_trim_threshold(nbytes: int) -> bool:
+    """Keep up to ``nbytes`` of free memory at the top of the heap instead of returning it at every ``free``
+    (``mallopt(M_TRIM_THRESHOLD, nbytes)``; also turns glibc's dynamic adjustment off).
+
+    Raises:
+        ValueError: ``nbytes`` not positive or above 2**31 - 1.
+
+    Returns:
+        Whether the C library took it (``False`` when it is not glibc).
+    """
+    if not 0 < nbytes < 2**31:
+        raise ValueError("trim threshold must be 1..2**31-1 bytes")
+    if _LIBC is None:
+        return False
+    return bool(_LIBC.mallopt(M_TRIM_THRESHOLD, ctypes.c_int(nbytes)))
+
+
+def set_arena_max(arenas: int) -> bool:
+    """Let at most ``arenas`` malloc arenas exist (``mallopt(M_ARENA_MAX, arenas)``); threads that start after
+    this share them.  ``malloc_trim`` returns free pages anywhere in the main arena but not the free top of a
+    thread arena's heap, so with one arena the idle trim gives everything back.
+
+    Raises:
+        ValueError: ``arenas`` < 1.
+
+    Returns:
+        Whether the C library took it (``False`` when it is not glibc).
+    """
+    if arenas < 1:
+        raise ValueError("arena count must be at least 1")
+    if _LIBC is None:
+        return False
+    return bool(_LIBC.mallopt(M_ARENA_MAX, ctypes.c_int(arenas)))
 
 
 class IdleTrimmer:
@@ -165,14 +216,21 @@ class IdleTrimmer:
                   "released memory" if released else "released nothing", (time.perf_counter() - start) * 1e3)
 
 
-def configure(mmap_threshold: int, trim_min_bytes: int) -> IdleTrimmer | None:
-    """Apply the gateway's memory settings at start-up: a fixed mmap threshold when ``mmap_threshold``
-    is not 0, and the idle trimmer that :class:`mmgate.budget.InflightBudget` feeds when
-    ``trim_min_bytes`` is not 0 (``--malloc-mmap-threshold``, ``--memory-trim-min-bytes``).
+def configure(mmap_threshold: int, trim_min_bytes: int, trim_threshold: int = 0,
+              arena_max: int = 0) -> IdleTrimmer | None:
+    """Apply the gateway's memory settings at start-up (before the preprocessing and gRPC threads start): a
+    fixed mmap threshold when ``mmap_threshold`` is not 0, a fixed trim threshold when ``trim_threshold`` is
+    not 0, an arena cap when ``arena_max`` is not 0, and the idle trimmer that
+    :class:`mmgate.budget.InflightBudget` feeds when ``trim_min_bytes`` is not 0 (``--malloc-mmap-threshold``,
+    ``--malloc-trim-threshold``, ``--malloc-arena-max``, ``--memory-trim-min-bytes``).
 
     Raises:
-        ValueError: a threshold outside ``1 .. MAX_MMAP_THRESHOLD``.
+        ValueError: a threshold outside ``1 .. MAX_MMAP_THRESHOLD`` (mmap) or ``1 .. 2**31-1`` (trim).
     """
     if mmap_threshold:
         set_mmap_threshold(mmap_threshold)
+    if trim_threshold:
+        set_trim_threshold(trim_threshold)
+    if arena_max:
+        set_arena_max(arena_max)
     return IdleTrimmer(trim_min_bytes) if trim_min_bytes > 0 else None

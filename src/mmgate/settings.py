@@ -377,8 +377,10 @@ class Settings:
     worker_health_timeout_s: float = 2.0  # deadline of one health probe RPC
     worker_unhealthy_after: int = 3  # consecutive failed probes (busy timeouts excluded) before a worker is unhealthy
     engine_keepalive: KeepaliveSettings = field(default_factory=KeepaliveSettings)  # engine channels' HTTP/2 pings
-    memory_trim_min_bytes: int = 8 * 1024 * 1024  # a request this large makes the idle gateway malloc_trim; 0: off
-    malloc_mmap_threshold: int = 0  # bytes: fixed glibc M_MMAP_THRESHOLD; 0: glibc's dynamic default
+    memory_trim_min_bytes: int = 1024 * 1024  # a request this large makes the idle gateway malloc_trim; 0: off
+    malloc_mmap_threshold: int = 32 * 1024 * 1024  # bytes: fixed glibc M_MMAP_THRESHOLD; 0: glibc's dynamic default
+    malloc_trim_threshold: int = 64 * 1024 * 1024  # bytes: fixed glibc M_TRIM_THRESHOLD; 0: glibc's dynamic default
+    malloc_arena_max: int = 1  # glibc M_ARENA_MAX; 0: glibc's default (8 per core)
 
 
 def split_search_path(value: str | None) -> tuple[Path, ...]:
@@ -407,6 +409,12 @@ def _positive(value: float, flag: str) -> float:
 def _mmap_threshold(value: int) -> int:
     if not 0 <= value <= 32 * 1024 * 1024:
         raise SystemExit("--malloc-mmap-threshold must be 0..33554432 bytes")
+    return value
+
+
+def _trim_threshold(value: int) -> int:
+    if not 0 <= value < 2**31:
+        raise SystemExit("--malloc-trim-threshold must be 0..2147483647 bytes")
     return value
 
 
@@ -519,10 +527,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(g, "--max-connections", type=int, default=_HTTP_DEFAULTS.max_connections,
                help="open HTTP connections served; a request on one past it gets 503 server_busy")
     g = p.add_argument_group("memory")
-    add_option(g, "--memory-trim-min-bytes", type=int, default=8 * 1024 * 1024,
-               help="after a request holding this many encoder bytes, malloc_trim once the gateway is idle (0: off)")
-    add_option(g, "--malloc-mmap-threshold", type=int, default=0,
-               help="fixed glibc M_MMAP_THRESHOLD in bytes, up to 32 MiB (0: glibc's dynamic default)")
+    add_option(g, "--memory-trim-min-bytes", type=int, default=1024 * 1024,
+               help="after a request holding this many encoder or body bytes, malloc_trim once the gateway is idle "
+                    "(0: off)")
+    add_option(g, "--malloc-mmap-threshold", type=int, default=32 * 1024 * 1024,
+               help="fixed glibc M_MMAP_THRESHOLD in bytes, up to 32 MiB: blocks below it are reused from the heap "
+                    "instead of mapped and faulted in per request (0: glibc's dynamic default)")
+    add_option(g, "--malloc-trim-threshold", type=int, default=64 * 1024 * 1024,
+               help="fixed glibc M_TRIM_THRESHOLD in bytes: free memory kept at the heap's top between requests "
+                    "(0: glibc's dynamic default)")
+    add_option(g, "--malloc-arena-max", type=int, default=1, minimum=0,
+               help="glibc M_ARENA_MAX: malloc arenas the gateway's threads share, so the idle trim returns all "
+                    "free memory (0: glibc's default, 8 per core)")
     g = p.add_argument_group("logging and metrics")
     add_option(g, "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
                type=str.lower, help="log level of the gateway's loggers")
@@ -582,4 +598,6 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
                                            timeout_s=ns.engine_keepalive_timeout),
         memory_trim_min_bytes=max(0, ns.memory_trim_min_bytes),
         malloc_mmap_threshold=_mmap_threshold(ns.malloc_mmap_threshold),
+        malloc_trim_threshold=_trim_threshold(ns.malloc_trim_threshold),
+        malloc_arena_max=ns.malloc_arena_max,
     )

@@ -111,6 +111,12 @@ def test_trim_and_mmap_threshold_reach_glibc() -> None:
         memory.set_mmap_threshold(0)
     with pytest.raises(ValueError):
         memory.set_mmap_threshold(memory.MAX_MMAP_THRESHOLD + 1)
+    with pytest.raises(ValueError):
+        memory.set_trim_threshold(0)
+    with pytest.raises(ValueError):
+        memory.set_trim_threshold(2**31)
+    with pytest.raises(ValueError):
+        memory.set_arena_max(0)
     assert memory.configure(0, 0) is None
     trimmer = memory.configure(0, 4 * MIB)
     assert trimmer is not None and trimmer.min_bytes == 4 * MIB
@@ -158,7 +164,9 @@ def test_rss_stays_bounded_under_back_to_back_inline_requests(tmp_path: Path) ->
     try:
         gateway = start_gateway(bundle_path(DEFAULT_MODEL), [worker.port], log_dir=tmp_path,
                                 extra=["--served-model-name", DEFAULT_MODEL, "--memory-trim-min-bytes", "0",
-                                       "--multimodal-tensor-transport", "inline"])
+                                       "--multimodal-tensor-transport", "inline",
+                                       # every large block mapped and unmapped on free: growth is references kept
+                                       "--malloc-mmap-threshold", "1048576", "--malloc-trim-threshold", "1048576"])
         try:
             with httpx.Client(timeout=120) as client:
                 url = f"http://127.0.0.1:{gateway.port}/v1/chat/completions"

@@ -92,7 +92,9 @@ def build_state(settings: Settings) -> GatewayState:
                         workers=WorkerRegistry.from_settings(settings), fetcher=fetcher, executor=executor,
                         budget=InflightBudget(settings.transport.max_inflight_bytes, settings.transport.budget_wait_s,
                                               memory.configure(settings.malloc_mmap_threshold,
-                                                               settings.memory_trim_min_bytes)),
+                                                               settings.memory_trim_min_bytes,
+                                                               settings.malloc_trim_threshold,
+                                                               settings.malloc_arena_max)),
                         started=time.time())
 
 
