@@ -1,4 +1,4 @@
-"""Which leg received the pixels, through the gateway, on the SGLang and TokenSpeed pairs and the EPD trio
+"""Single workers of every wire, and which leg received the pixels, through the gateway, on the SGLang and TokenSpeed pairs and the EPD trio
 (issue 12 acceptance; the vLLM pair is in tests/e2e/test_disagg_vllm.py).
 
 Every engine records what it was sent (``mmgate engine --record-dir``, :mod:`mmgate.refengine.recording`): a
@@ -6,6 +6,8 @@ leg the model runs from its own inputs as its final model inputs, a decode leg a
 tensors of its media identity).  Greedy, EOS ignored, the same two-image Qwen2.5-VL request as
 tests/e2e/test_disaggregation.py:
 
+* A single worker of the SGLang and of the TokenSpeed wire behind a plain gateway answers the single
+  vLLM-wire worker's completion (Qwen2.5-VL and Qwen3-VL).
 * PD (SGLang, TokenSpeed): the completion equals the single vLLM-wire worker's; the prefill engine's
   recorded ``pixel_values`` are the transformers processor's, bit for bit; the decode engine got the same
   prompt ids and no ``pixel_values``.
@@ -27,7 +29,7 @@ from mmgate.engines.base import Role, Wire
 from mmgate.launch import Child, start_gateway, wait_http_health
 from tests.conftest import bundle_dir
 from tests.e2e.test_disagg_vllm import Stack, _recorded
-from tests.e2e.test_disaggregation import QWEN2_5, _body, _tokens
+from tests.e2e.test_disaggregation import MODELS, QWEN2_5, _body, _tokens
 from tests.worker_mode.reference import Conversation, reference_inputs
 
 
@@ -86,3 +88,11 @@ def test_only_the_encode_leg_of_epd_receives_pixels(stack: Stack) -> None:
     got_decode = _recorded(stack.record_dir(QWEN2_5, wire, Role.DECODE), request_id)
     assert "pixel_values" not in got_prefill and "pixel_values" not in got_decode
     assert np.array_equal(got_decode["input_ids"], got_prefill["input_ids"])
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("wire", (Wire.SGLANG, Wire.TOKENSPEED))
+def test_a_single_worker_of_each_wire_answers_the_single_vllm_workers_tokens(stack: Stack, model: str,
+                                                                             wire: Wire) -> None:
+    body = _body(model)
+    assert _tokens(_post(stack.single(model, wire), body)) == _tokens(_post(stack.single(model), body))

@@ -22,7 +22,7 @@ import contextvars
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,7 +35,7 @@ from mmgate.engines.base import EngineEvent, Role
 from mmgate.routing.mm_processing import Mode, decide_request
 from mmgate.routing.workers import Worker
 from mmgate.transport.policy import WirePlan
-from mmgate.transport.shm import ShmError, ShmLease
+from mmgate.transport.shm import ShmLease
 from mmgate.types import Modality, PreparedRequest
 
 if TYPE_CHECKING:
@@ -153,13 +153,7 @@ async def _start(state: GatewayState, req: ChatCompletionRequest, request_id: st
         if encoded.pending:
             # Deferred pixels: computed now, straight into the segment or the request bytes.
             with metrics.stage("preprocess", timings):
-                try:
-                    await encoded.fill()
-                except ShmError:  # /dev/shm full while writing: again, inline
-                    metrics.SHM_WRITE_FAILURES.labels(worker.wire).inc()
-                    lease.release()
-                    encoded = adapter.encode(message, Role.SINGLE, replace(wire, shm=False), None)
-                    await encoded.fill()
+                encoded = await adapter.fill(encoded, message, Role.SINGLE, wire, lease)
         metrics.PROMPT_TOKENS.inc(len(prepared.input_ids))
         assert worker.client is not None
         responses = worker.client.generate(encoded)

@@ -63,6 +63,7 @@ from pathlib import Path
 from types import FrameType
 
 from mmgate.settings import Settings
+from mmgate.transport.shm import pid_alive
 
 log = logging.getLogger("mmgate.multiproc")
 
@@ -302,17 +303,8 @@ def sweep_metrics_dirs() -> int:
     removed = 0
     for path in Path(tempfile.gettempdir()).glob(f"{METRICS_PREFIX}*"):
         pid = path.name[len(METRICS_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
             removed += 1
     return removed
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

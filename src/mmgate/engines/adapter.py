@@ -37,6 +37,7 @@ from smg_grpc_proto.generated import (
     vllm_engine_pb2,
 )
 
+from mmgate import metrics
 from mmgate.engines import sglang, tokenspeed, vllm
 from mmgate.engines.base import Bootstrap, EncodedRequest, EngineEvent, Role, Wire
 from mmgate.engines.probe import SERVICES
@@ -45,7 +46,7 @@ from mmgate.errors import ErrorCode, GatewayError
 from mmgate.settings import TransportSettings
 from mmgate.transport.dtypes import EncoderDtype
 from mmgate.transport.policy import WirePlan, wire_plan
-from mmgate.transport.shm import ShmLease
+from mmgate.transport.shm import ShmError, ShmLease
 from mmgate.types import MediaRef, Modality, PreparedRequest
 
 
@@ -107,6 +108,22 @@ class WireAdapter(ABC):
               bootstrap: Bootstrap | None = None, kv_transfer_params: str | None = None) -> Any:
         """The wire's request message for one leg (arrays only: no pending tensor)."""
         raise NotImplementedError(f"{type(self).__name__} encodes through encode()")
+
+    async def fill(self, encoded: EncodedRequest, prepared: PreparedRequest, role: Role, plan: WirePlan,
+                   lease: ShmLease) -> EncodedRequest:
+        """``encoded`` (:meth:`encode` of ``prepared`` for ``role`` under ``plan``) with its pending tensors
+        computed; when ``/dev/shm`` fills up while they are written (:class:`~mmgate.transport.shm.ShmError`),
+        the failure is counted (``smg_mm_shm_write_failures_total``), ``lease``'s segments are released and the
+        leg is encoded and filled again inline."""
+        try:
+            await encoded.fill()
+            return encoded
+        except ShmError:
+            metrics.SHM_WRITE_FAILURES.labels(self.wire.value).inc()
+            lease.release()
+            encoded = self.encode(prepared, role, replace(plan, shm=False), None)
+            await encoded.fill()
+            return encoded
 
     def encode(self, prepared: PreparedRequest, role: Role, plan: WirePlan, lease: ShmLease | None,
                bootstrap: Bootstrap | None = None, kv_transfer_params: str | None = None,

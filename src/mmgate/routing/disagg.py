@@ -60,7 +60,7 @@ from mmgate.engines.base import Bootstrap, EncodedRequest, EngineEvent, Role, Wi
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.routing.mm_processing import Mode
 from mmgate.routing.workers import Worker, WorkerRegistry
-from mmgate.transport.shm import ShmError, ShmLease
+from mmgate.transport.shm import ShmLease
 from mmgate.types import Modality, PreparedRequest
 
 if TYPE_CHECKING:
@@ -358,13 +358,7 @@ async def _start_sequential(state: GatewayState, prepared: PreparedRequest, pref
                     prefill_leg = adapter.encode(prepared, Role.PREFILL, plan, lease)
                 if prefill_leg.pending:
                     with metrics.stage("preprocess", timings):
-                        try:
-                            await prefill_leg.fill()
-                        except ShmError:  # /dev/shm full while writing: again, inline
-                            metrics.SHM_WRITE_FAILURES.labels(prefill.wire).inc()
-                            lease.release()
-                            prefill_leg = adapter.encode(prepared, Role.PREFILL, replace(plan, shm=False), None)
-                            await prefill_leg.fill()
+                        prefill_leg = await adapter.fill(prefill_leg, prepared, Role.PREFILL, plan, lease)
                 start = time.perf_counter()
                 kv_transfer_params = await _prefill_answer(prefill.client.generate(prefill_leg, Role.PREFILL))
                 timings["engine_prefill"] = (time.perf_counter() - start) * 1000.0

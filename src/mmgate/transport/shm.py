@@ -184,7 +184,8 @@ def unlink(name: str) -> bool:
     return True
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (``kill(pid, 0)``; one owned by another user counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -205,7 +206,7 @@ def sweep_dead_segments() -> int:
         if not entry.startswith(PREFIX):
             continue
         pid_text = entry[len(PREFIX):].split("-", 1)[0]
-        if pid_text.isdigit() and int(pid_text) != os.getpid() and not _pid_alive(int(pid_text)):
+        if pid_text.isdigit() and int(pid_text) != os.getpid() and not pid_alive(int(pid_text)):
             removed += unlink(entry)
     return removed
 
