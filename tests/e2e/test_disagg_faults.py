@@ -524,7 +524,7 @@ def test_a_fault_soak_leaves_every_request_answered_and_nothing_behind(
 @pytest.mark.parametrize("name", list(STACKS))
 def test_a_long_fault_soak(stacks: dict[str, FaultStack], tmp_path_factory: pytest.TempPathFactory,
                            name: str) -> None:
-    _check_soak(_stack(stacks, name, tmp_path_factory), requests=1500, seed=1212)
+    _check_soak(_stack(stacks, name, tmp_path_factory), requests=600, seed=1212)
 
 
 # ---- targeted: an engine killed at a known point of a request ------------------------------------------
