@@ -266,3 +266,27 @@ def test_fallback_logs_once(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogC
         assert np.array_equal(image_rows(image, 16, 2, 2, None), want)
         assert np.array_equal(image_rows(image, 16, 2, 2, None), want)
     assert sum("patchrows is not built" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.skipif(not patch_native.NATIVE, reason="the extension is not built")
+@pytest.mark.parametrize("backend", [ImageBackend.PIL, ImageBackend.TORCHVISION])
+@pytest.mark.parametrize("model", ["Qwen/Qwen2-VL-2B-Instruct", "Qwen/Qwen3-VL-2B-Instruct"])
+def test_native_rows_equal_the_transformers_processor(model: str, backend: ImageBackend) -> None:
+    """The reference itself: transformers' Qwen-VL image processor of the bundle (the ``...Pil`` / PIL
+    class and the torchvision one), ``do_resize=False`` on an image whose sides are already multiples of
+    ``patch_size * merge_size``, gives the same ``pixel_values`` bits as one kernel call with the
+    backend's normalization table."""
+    from transformers import AutoImageProcessor
+
+    from tests.conftest import bundle_dir
+
+    processor = AutoImageProcessor.from_pretrained(bundle_dir(model), use_fast=backend is ImageBackend.TORCHVISION)
+    p, m, t = processor.patch_size, processor.merge_size, processor.temporal_patch_size
+    rng = np.random.default_rng(7)
+    image = rng.integers(0, 256, (3 * p * m, 5 * p * m, 3), dtype=np.uint8)
+    want = np.asarray(processor(images=[image], do_resize=False, return_tensors="np")["pixel_values"])
+    lut = geometry.normalize_lut(backend, processor.rescale_factor, tuple(processor.image_mean),
+                                 tuple(processor.image_std), True, True)
+    got = np.empty(want.shape, dtype=np.float32)
+    patch_native.fill_rows(image, p, m, t, lut, got)
+    assert np.array_equal(bits(got), bits(want.astype(np.float32)))
