@@ -215,6 +215,30 @@ _HTTP_DEFAULTS = HttpSettings()
 
 
 @dataclass(frozen=True, slots=True)
+class ConstraintLimits:
+    """Bounds on one structured-output or tool-choice constraint, checked by the gateway before anything is
+    sent (:mod:`mmgate.api.constraint_limits`; docs/limits.md, "Structured outputs and tools").
+
+    Each bound is a property of the constraint's shape that xgrammar's compile time or stack depth grows
+    with (measured in docs/limits.md), so a request that could freeze or crash a worker is refused with a
+    400 naming the field and the limit, and nothing is ever compiled in the gateway.
+    """
+
+    max_chars: int = 128 * 1024  # characters of the constraint's text: schema JSON, regex, grammar, tag, choices
+    max_depth: int = 64  # JSON nesting of a schema or structural tag, given as an object or as its JSON text
+    max_schema_nodes: int = 8192  # JSON objects in a schema (every subschema, property and definition)
+    max_values: int = 1024  # choices, or enum / const values across a schema
+    max_optional_weight: int = 65536  # sum over a schema's objects of (optional properties)**2
+    max_regex_depth: int = 64  # nested groups in a regex (a schema pattern, guided_regex) or grammar
+    max_regex_repeat: int = 4096  # atoms a regex's counted repetitions add: [a-z]{1000} adds 999
+
+
+_CONSTRAINT_DEFAULTS = ConstraintLimits()
+#: the deepest JSON nesting ``--constraint-max-depth`` may allow (the JSON decoder recurses per level)
+CONSTRAINT_DEPTH_CEILING = 512
+
+
+@dataclass(frozen=True, slots=True)
 class KeepaliveSettings:
     """HTTP/2 keepalive of the gateway's engine channels (:func:`mmgate.engines.client.channel_options`;
     docs/engines.md, "Liveness").
@@ -367,6 +391,7 @@ class Settings:
     video: VideoSettings = field(default_factory=VideoSettings)
     transport: TransportSettings = field(default_factory=TransportSettings)
     http: HttpSettings = field(default_factory=HttpSettings)
+    constraints: ConstraintLimits = field(default_factory=ConstraintLimits)  # structured outputs and tools
     mm_processing: MmProcessing = MmProcessing.AUTO
     mm_processing_models: tuple[str, ...] | None = None  # opted in to worker-side processing; None: every model
     preprocess_threads: int = 0  # 0: os.cpu_count()
@@ -526,6 +551,27 @@ def build_parser() -> argparse.ArgumentParser:
                help="seconds between two chunks of a request body; past it 408 request_timeout and close")
     add_option(g, "--max-connections", type=int, default=_HTTP_DEFAULTS.max_connections,
                help="open HTTP connections served; a request on one past it gets 503 server_busy")
+    g = p.add_argument_group("structured outputs and tools")
+    c = _CONSTRAINT_DEFAULTS
+    add_option(g, "--constraint-max-chars", type=int, default=c.max_chars, minimum=1,
+               help="characters of one constraint (JSON schema text, regex, grammar, structural tag, the choices "
+                    "together); past it 400 invalid_request")
+    add_option(g, "--constraint-max-depth", type=int, default=c.max_depth, minimum=1,
+               help=f"JSON nesting of a schema or structural tag, also when given as JSON text (at most "
+                    f"{CONSTRAINT_DEPTH_CEILING}); past it 400 invalid_request")
+    add_option(g, "--constraint-max-schema-nodes", type=int, default=c.max_schema_nodes, minimum=1,
+               help="JSON objects in one schema (subschemas, properties, definitions); past it 400 invalid_request")
+    add_option(g, "--constraint-max-values", type=int, default=c.max_values, minimum=1,
+               help="choices of guided_choice, or enum and const values of one schema; past it 400 invalid_request")
+    add_option(g, "--constraint-max-optional-weight", type=int, default=c.max_optional_weight, minimum=1,
+               help="sum over a schema's objects of the square of their optional properties (xgrammar's compile "
+                    "time grows with it); past it 400 invalid_request")
+    add_option(g, "--constraint-max-regex-depth", type=int, default=c.max_regex_depth, minimum=1,
+               help="nested groups of a regex (guided_regex, a schema pattern) or parentheses of a grammar; past "
+                    "it 400 invalid_request")
+    add_option(g, "--constraint-max-regex-repeat", type=int, default=c.max_regex_repeat, minimum=0,
+               help="atoms the counted repetitions of one regex or grammar add ([a-z]{1000} adds 999); past it "
+                    "400 invalid_request")
     g = p.add_argument_group("memory")
     add_option(g, "--memory-trim-min-bytes", type=int, default=1024 * 1024,
                help="after a request holding this many encoder or body bytes, malloc_trim once the gateway is idle "
@@ -562,6 +608,13 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
     if min(http.header_timeout_s, http.body_idle_timeout_s, http.body_timeout_s, http.max_connections) <= 0:
         raise SystemExit("--http-*-timeout and --max-connections must be positive")
     pd_enabled, prefill_workers, decode_workers = _pd_settings(ns)
+    constraints = ConstraintLimits(
+        max_chars=ns.constraint_max_chars, max_depth=ns.constraint_max_depth,
+        max_schema_nodes=ns.constraint_max_schema_nodes, max_values=ns.constraint_max_values,
+        max_optional_weight=ns.constraint_max_optional_weight, max_regex_depth=ns.constraint_max_regex_depth,
+        max_regex_repeat=ns.constraint_max_regex_repeat)
+    if constraints.max_depth > CONSTRAINT_DEPTH_CEILING:
+        raise SystemExit(f"--constraint-max-depth must be at most {CONSTRAINT_DEPTH_CEILING}")
     return Settings(
         model=ns.model,
         pd_disaggregation=pd_enabled,
@@ -585,6 +638,7 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         video=video_settings(ns),
         transport=_transport_settings(ns, environ),
         http=http,
+        constraints=constraints,
         mm_processing=MmProcessing(ns.mm_processing),
         mm_processing_models=None if ns.mm_processing_models is None else tuple(ns.mm_processing_models),
         preprocess_threads=ns.preprocess_threads,

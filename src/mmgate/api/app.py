@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from functools import partial
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -229,7 +230,7 @@ def create_app(state: GatewayState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         async with request_body(state, request, body_limit) as body:
-            req = await parse_off_loop(state, parse_chat_request, body)
+            req = await parse_off_loop(state, partial(parse_chat_request, limits=state.settings.constraints), body)
             metrics.REQUESTS.labels(state.runtime.served_name, str(req.stream).lower()).inc()
             return await until_disconnect(request, answer_chat(req))
 

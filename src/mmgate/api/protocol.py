@@ -27,6 +27,7 @@ import msgspec
 import numpy as np
 
 from mmgate.errors import ErrorCode, GatewayError
+from mmgate.settings import ConstraintLimits
 
 
 class ImageURL(msgspec.Struct, frozen=True):
@@ -247,6 +248,9 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_STOP_TOKEN_IDS = 64
 #: token ids on the wire: ``uint32`` stop ids, ``int32`` logit-bias keys
 TOKEN_ID_LIMIT = 2**31 - 1
+#: decimal digits of the largest token id (a longer ``logit_bias`` key is refused before ``int()``, which
+#: refuses strings of more than 4,300 digits itself)
+_TOKEN_ID_DIGITS = len(str(TOKEN_ID_LIMIT))
 #: largest ``repetition_penalty`` (vLLM requires > 0 and sets no upper bound; a finite float32 here)
 MAX_REPETITION_PENALTY = 1e6
 #: ``chat_template_kwargs`` keys that name what the renderer passes itself (vLLM refuses
@@ -257,16 +261,19 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_gen
 _DECODER = msgspec.json.Decoder(ChatCompletionRequest)
 
 
-def parse_chat_request(body: bytes) -> ChatCompletionRequest:
+def parse_chat_request(body: bytes, limits: ConstraintLimits = ConstraintLimits()) -> ChatCompletionRequest:
     """Decode and validate a chat-completion body.
 
     Returns the request with ``top_k`` normalized: ``-1`` (vLLM's "disabled",
     as vLLM users write it) and ``0`` both become ``0``, the wire's "off".
+    ``limits`` bound its structured-output or tool-choice constraint (the gateway's
+    ``--constraint-*`` settings; :mod:`mmgate.api.constraint_limits`).
 
     Raises:
         GatewayError(INVALID_REQUEST): not JSON, nested deeper than
             :data:`MAX_JSON_DEPTH`, not the OpenAI shape, or a value outside its
-            range (``param`` names the JSON path; the message never quotes the value).
+            range (``param`` names the JSON path; the message never quotes the value), or a
+            constraint past ``limits``.
     """
     check_json_depth(body)
     try:
@@ -287,7 +294,7 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
     _check_mm_processor_kwargs(req.mm_processor_kwargs)
     _check_hints(req)
     from mmgate.api.structured import request_constraint  # noqa: PLC0415 - structured imports this module
-    constraint = request_constraint(req)  # structured outputs and tool_choice: at most one constraint, each checked
+    constraint = request_constraint(req, limits)  # structured outputs and tool_choice: at most one constraint, each checked
     if constraint is not None and req.min_tokens:
         # The grammar may allow only its stop token while min_tokens masks it: nothing would be left.
         raise GatewayError(ErrorCode.INVALID_REQUEST,
@@ -407,7 +414,7 @@ def _check_more_sampling(req: ChatCompletionRequest) -> None:
         raise GatewayError(ErrorCode.INVALID_REQUEST,
                            f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} entries", "logit_bias")
     for key, value in bias.items():
-        if not (key.isascii() and key.isdigit() and int(key) <= TOKEN_ID_LIMIT):
+        if not (key.isascii() and key.isdigit() and len(key) <= _TOKEN_ID_DIGITS and int(key) <= TOKEN_ID_LIMIT):
             raise GatewayError(ErrorCode.INVALID_REQUEST,
                                f"logit_bias keys must be token ids (decimal integers within [0, {TOKEN_ID_LIMIT}])",
                                "logit_bias")

@@ -17,7 +17,11 @@ per tool (``$defs`` of the tools hoisted); a named function -> that function's
 ``parameters`` schema, the whole output being its arguments.
 
 Invariants: every refusal is a 400 ``invalid_request`` whose ``param`` names the
-field and whose message never quotes the caller's value.
+field and whose message never quotes the caller's value.  With the gateway's
+:class:`~mmgate.settings.ConstraintLimits` (``parse_chat_request``), each constraint's
+shape is bounded before it is accepted (:mod:`mmgate.api.constraint_limits`): nothing a
+caller sends can make a worker's grammar compiler freeze or crash, and JSON text given in
+a string is depth-scanned before it is decoded.
 """
 
 from __future__ import annotations
@@ -30,16 +34,16 @@ from typing import Any
 
 import msgspec
 
-from mmgate.api.protocol import ChatCompletionRequest, NamedToolChoice, Tool
+from mmgate.api import constraint_limits as bounds
+from mmgate.api.protocol import ChatCompletionRequest, NamedToolChoice, Tool, check_json_depth
 from mmgate.errors import ErrorCode, GatewayError
+from mmgate.settings import CONSTRAINT_DEPTH_CEILING, ConstraintLimits
 from mmgate.types import Constraint, ConstraintKind
 
 #: ``response_format.type`` values (OpenAI's three)
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 #: ``tool_choice`` strings (OpenAI's)
 TOOL_CHOICES = ("none", "auto", "required")
-#: most entries of ``guided_choice`` / ``structured_outputs.choice``
-MAX_CHOICES = 1024
 
 
 class ToolMode(StrEnum):
@@ -63,15 +67,26 @@ def _refuse(message: str, param: str) -> GatewayError:
     return GatewayError(ErrorCode.INVALID_REQUEST, message, param)
 
 
-def _schema_object(value: Any, param: str) -> dict[str, Any]:
-    """A JSON schema given as an object or as its JSON text; refused unless it is a JSON object."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            raise _refuse(f"{param} must be a JSON schema (a JSON object or its JSON text)", param) from None
+def _json_document(value: Any, param: str, limits: ConstraintLimits | None) -> Any:
+    """``value``, or the JSON text it holds decoded once its nesting is known to be within the depth bound
+    (``limits.max_depth``; without limits :data:`~mmgate.settings.CONSTRAINT_DEPTH_CEILING`), so the
+    decoder never recurses past it."""
+    if not isinstance(value, str):
+        return value
+    check_json_depth(value.encode(), param, limits.max_depth if limits else CONSTRAINT_DEPTH_CEILING)
+    try:
+        return json.loads(value)
+    except (ValueError, RecursionError):
+        raise _refuse(f"{param} must be a JSON schema (a JSON object or its JSON text)", param) from None
+
+
+def _schema_object(value: Any, param: str, limits: ConstraintLimits | None) -> dict[str, Any]:
+    """A JSON schema given as an object or as its JSON text; refused unless it is a JSON object within ``limits``."""
+    value = _json_document(value, param, limits)
     if not isinstance(value, dict):
         raise _refuse(f"{param} must be a JSON schema (a JSON object)", param)
+    if limits is not None:
+        bounds.check_document(value, param, limits)
     return value
 
 
@@ -80,9 +95,11 @@ def _schema_object(value: Any, param: str) -> dict[str, Any]:
 MAX_REGEX_CHARS = 16 * 1024
 
 
-def _regex(value: str, param: str) -> Constraint:
+def _regex(value: str, param: str, limits: ConstraintLimits | None) -> Constraint:
     if len(value) > MAX_REGEX_CHARS:
         raise _refuse(f"{param} is longer than {MAX_REGEX_CHARS} characters", param)
+    if limits is not None:
+        bounds.check_regex(value, param, limits)  # before re.compile, which recurses per nested group
     try:
         re.compile(value)
     except (re.error, RecursionError, OverflowError):
@@ -90,23 +107,35 @@ def _regex(value: str, param: str) -> Constraint:
     return Constraint(ConstraintKind.REGEX, value)
 
 
-def _choice(value: list[str], param: str) -> Constraint:
-    if not 1 <= len(value) <= MAX_CHOICES:
-        raise _refuse(f"{param} must be a list of 1 to {MAX_CHOICES} strings", param)
+def _choice(value: list[str], param: str, limits: ConstraintLimits | None) -> Constraint:
+    if not value:
+        raise _refuse(f"{param} must be a non-empty list of strings", param)
+    if limits is not None:
+        bounds.check_choices(value, param, limits)
     return Constraint(ConstraintKind.CHOICE, json.dumps(value))
 
 
-def _grammar(value: str, param: str) -> Constraint:
+def _grammar(value: str, param: str, limits: ConstraintLimits | None) -> Constraint:
     if not value.strip():
         raise _refuse(f"{param} must be a non-empty grammar", param)
+    if limits is not None:
+        bounds.check_grammar(value, param, limits)
     return Constraint(ConstraintKind.GRAMMAR, value)
 
 
-def _json_schema(value: Any, param: str) -> Constraint:
-    return Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(_schema_object(value, param)))
+def _json_schema(value: Any, param: str, limits: ConstraintLimits | None) -> Constraint:
+    return _schema_constraint(_schema_object(value, param, limits), param, limits)
 
 
-def _response_format(req: ChatCompletionRequest) -> Constraint | None:
+def _schema_constraint(schema: dict[str, Any], param: str, limits: ConstraintLimits | None) -> Constraint:
+    """The schema's JSON text as the worker receives it, bounded by ``limits.max_chars``."""
+    text = json.dumps(schema)
+    if limits is not None:
+        bounds.check_chars(len(text), param, limits)
+    return Constraint(ConstraintKind.JSON_SCHEMA, text)
+
+
+def _response_format(req: ChatCompletionRequest, limits: ConstraintLimits | None) -> Constraint | None:
     fmt = req.response_format
     if fmt is None or fmt.type == "text":
         return None
@@ -115,11 +144,11 @@ def _response_format(req: ChatCompletionRequest) -> Constraint | None:
     if fmt.type == "json_schema":
         if fmt.json_schema is None:
             raise _refuse("response_format of type json_schema needs json_schema", "response_format.json_schema")
-        return _json_schema(fmt.json_schema.schema, "response_format.json_schema.schema")
+        return _json_schema(fmt.json_schema.schema, "response_format.json_schema.schema", limits)
     raise _refuse(f"response_format.type must be one of {', '.join(RESPONSE_FORMAT_TYPES)}", "response_format.type")
 
 
-def _checked(holder: Any, prefix: str) -> list[tuple[str, Constraint]]:
+def _checked(holder: Any, prefix: str, limits: ConstraintLimits | None) -> list[tuple[str, Constraint]]:
     """The json / regex / choice / grammar constraints set on ``holder`` (fields ``<prefix>json`` ...
     for the request's ``guided_*``; ``json`` ... of ``structured_outputs``), each checked, named by
     its field."""
@@ -128,19 +157,22 @@ def _checked(holder: Any, prefix: str) -> list[tuple[str, Constraint]]:
         value = getattr(holder, key if prefix.endswith(".") else prefix + key)
         if value is not None:
             param = prefix + key
-            found.append((param, check(value, param)))  # type: ignore[operator]
+            found.append((param, check(value, param, limits)))  # type: ignore[operator]
     return found
 
 
-def _structured_outputs(req: ChatCompletionRequest) -> list[tuple[str, Constraint]]:
+def _structured_outputs(req: ChatCompletionRequest, limits: ConstraintLimits | None) -> list[tuple[str, Constraint]]:
     so = req.structured_outputs
     if so is None:
         return []
-    found = _checked(so, "structured_outputs.")
+    found = _checked(so, "structured_outputs.", limits)
     if so.json_object:
         found.append(("structured_outputs.json_object", Constraint(ConstraintKind.JSON_OBJECT, "")))
     if so.structural_tag is not None:
-        _schema_object(so.structural_tag, "structured_outputs.structural_tag")
+        param = "structured_outputs.structural_tag"
+        if limits is not None:
+            bounds.check_chars(len(so.structural_tag), param, limits)
+        _schema_object(so.structural_tag, param, limits)
         found.append(("structured_outputs.structural_tag",
                       Constraint(ConstraintKind.STRUCTURAL_TAG, so.structural_tag)))
     return found
@@ -197,13 +229,16 @@ def required_tools_schema(tools: list[Tool], parallel: bool = True) -> dict[str,
     most, enforced by the grammar (vLLM keeps only the first call after the fact).
 
     Raises:
-        GatewayError(INVALID_REQUEST): conflicting ``$defs``.
+        GatewayError(INVALID_REQUEST): conflicting ``$defs``, or ``$defs`` that is not an object.
     """
     defs: dict[str, Any] = {}
     branches = []
     for i, tool in enumerate(tools):
         params = _tool_parameters(tool)
-        for name, definition in (params.pop("$defs", None) or {}).items():
+        tool_defs = params.pop("$defs", None) or {}
+        if not isinstance(tool_defs, dict):
+            raise _refuse("a tool's parameters $defs must be an object", f"tools[{i}].function.parameters.$defs")
+        for name, definition in tool_defs.items():
             if name in defs and defs[name] != definition:
                 raise _refuse("two tools define one $defs name differently", f"tools[{i}].function.parameters")
             defs[name] = definition
@@ -218,35 +253,51 @@ def required_tools_schema(tools: list[Tool], parallel: bool = True) -> dict[str,
     return schema
 
 
-def request_constraint(req: ChatCompletionRequest) -> Constraint | None:
+def request_constraint(req: ChatCompletionRequest, limits: ConstraintLimits | None = None) -> Constraint | None:
     """The request's one structured-output constraint, checked (``None`` when it has none).
+
+    With ``limits`` (the gateway's, at parse time), each constraint's shape is bounded too
+    (:mod:`mmgate.api.constraint_limits`); without, the request is taken as already checked
+    (later stages build the same constraint again).
 
     Raises:
         GatewayError(INVALID_REQUEST): more than one constraint (``param`` names the first
             two fields), a schema that is not a JSON object, a regex that does not compile,
             an empty choice list or grammar, an unknown ``response_format.type`` or
-            ``tool_choice``, a tool that is not a function.
+            ``tool_choice``, a tool that is not a function, a constraint past ``limits``
+            (``param`` the field, the message the limit).
     """
     found: list[tuple[str, Constraint]] = []
-    fmt = _response_format(req)
+    fmt = _response_format(req, limits)
     if fmt is not None:
         found.append(("response_format", fmt))
-    found += _checked(req, "guided_")
-    found += _structured_outputs(req)
+    found += _checked(req, "guided_", limits)
+    found += _structured_outputs(req, limits)
     _check_tools(req.tools or [])
     choice = tool_choice(req)
     tools = req.tools or []
     if choice.mode is ToolMode.REQUIRED:
-        schema = json.dumps(required_tools_schema(tools, parallel=req.parallel_tool_calls is not False))
-        found.append(("tool_choice", Constraint(ConstraintKind.JSON_SCHEMA, schema)))
+        if limits is not None:
+            for i, tool in enumerate(tools):
+                bounds.check_document(tool.function.parameters or {}, f"tools[{i}].function.parameters", limits)
+        schema = required_tools_schema(tools, parallel=req.parallel_tool_calls is not False)
+        found.append(("tool_choice", _tools_constraint(schema, "tools", limits)))
     elif choice.mode is ToolMode.NAMED:
-        tool = next(t for t in tools if t.function.name == choice.name)
-        found.append(("tool_choice", Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(_tool_parameters(tool)))))
+        i, tool = next((i, t) for i, t in enumerate(tools) if t.function.name == choice.name)
+        found.append(("tool_choice", _tools_constraint(_tool_parameters(tool), f"tools[{i}].function.parameters",
+                                                       limits)))
     if len(found) > 1:
         names = [name for name, _ in found]
         raise _refuse("at most one structured-output constraint per request; this one sets "
                       + ", ".join(names), names[1])
     return found[0][1] if found else None
+
+
+def _tools_constraint(schema: dict[str, Any], param: str, limits: ConstraintLimits | None) -> Constraint:
+    """A tool-choice schema as one constraint, bounded as a whole (the tools' shapes add up in it)."""
+    if limits is not None:
+        bounds.check_document(schema, param, limits)
+    return _schema_constraint(schema, param, limits)
 
 
 def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
