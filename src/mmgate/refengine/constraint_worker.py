@@ -15,7 +15,7 @@ length-prefixed messages):
      process, which needs it anyway to deserialize what comes back);
   2. the child caps its address space at its size now plus ``memory_bytes``
      (``RLIMIT_AS``, after its imports: importing xgrammar, which imports torch, maps
-     3.3 GB of address space) and answers ``R``;
+     3.3 GB of address space), writes no core files, and answers ``R``;
   3. per constraint, in: ``{"kind", "value"}`` (a :class:`~mmgate.types.ConstraintKind`
      value and the constraint's text); out: ``G`` + ``CompiledGrammar.serialize_json()``,
      or ``E`` + ``{"error": <exception type>, "memory": <the compile ran out of memory>}``.
@@ -111,9 +111,12 @@ def _address_space_bytes() -> int:
 
 def _cap_memory(extra_bytes: int) -> None:
     """Let the address space grow by ``extra_bytes`` at most (``RLIMIT_AS``): a compile past it
-    gets ``std::bad_alloc`` (xgrammar raises ``RuntimeError``) instead of the machine's memory."""
+    gets ``std::bad_alloc`` (xgrammar raises ``RuntimeError``) instead of the machine's memory.
+    No core files either (``RLIMIT_CORE`` 0): a crashing constraint, sent again and again, must not
+    fill the disk with them."""
     limit = _address_space_bytes() + extra_bytes
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
 def _answer(compiler: xgr.GrammarCompiler, job: dict[str, str]) -> bytes:
