@@ -44,6 +44,8 @@ class ErrorCode(StrEnum):
     MEDIA_FETCH_UNAVAILABLE = "media_fetch_unavailable"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     RESERVED_TOKEN_IN_TEXT = "reserved_token_in_text"  # caller text holds a special/media token string
+    # a structured-output constraint whose compile ran past the engine's deadline or memory cap, or crashed it
+    CONSTRAINT_TOO_COMPLEX = "constraint_too_complex"
     MULTIMODAL_PAYLOAD_TOO_LARGE = "multimodal_payload_too_large"
     MULTIMODAL_INFLIGHT_BUDGET = "multimodal_inflight_budget"
     NO_HEALTHY_WORKER = "no_healthy_worker"
@@ -95,6 +97,7 @@ ERROR_TABLE: dict[ErrorCode, ErrorSpec] = {
     ErrorCode.MEDIA_FETCH_UNAVAILABLE: ErrorSpec(503, True, _SERVER),
     ErrorCode.CONTEXT_LENGTH_EXCEEDED: ErrorSpec(400, False, _INVALID),
     ErrorCode.RESERVED_TOKEN_IN_TEXT: ErrorSpec(400, False, _INVALID),
+    ErrorCode.CONSTRAINT_TOO_COMPLEX: ErrorSpec(400, False, _INVALID),
     ErrorCode.MULTIMODAL_PAYLOAD_TOO_LARGE: ErrorSpec(413, False, _INVALID),
     ErrorCode.MULTIMODAL_INFLIGHT_BUDGET: ErrorSpec(429, True, _SERVER),
     ErrorCode.NO_HEALTHY_WORKER: ErrorSpec(503, True, _SERVER),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,9 @@ from mmgate.errors import GatewayError
 from mmgate.launch import start_engine, start_gateway
 from mmgate.models.bundle import resolve_bundle
 from mmgate.refengine.bundle import LazyTokenizer
-from mmgate.refengine.constraints import choice_grammar, grammar_guide
+from mmgate.refengine.config import CompileLimits
+from mmgate.refengine.constraint_pool import ConstraintCompiler
+from mmgate.refengine.constraint_worker import choice_grammar
 from mmgate.types import Constraint, ConstraintKind, SamplingParams
 from tests.abuse.support import DEFAULT_MODEL, Stack, bundle_path, chat_body, running_stack
 
@@ -292,14 +295,16 @@ def test_reasoning_content_only_for_templates_that_think() -> None:
 
 
 def test_engine_compiles_structural_tags_and_refuses_what_xgrammar_cannot() -> None:
-    tokenizer = LazyTokenizer(Path(bundle_path()))
-    vocab, stops = 151936, (151645,)  # Qwen2-VL: config vocab_size, <|im_end|>
+    compiler = ConstraintCompiler(LazyTokenizer(Path(bundle_path())), 151936, CompileLimits())  # Qwen2-VL vocab_size
     tag = {"structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}], "triggers": ["<f>"]}
-    assert grammar_guide(Constraint(ConstraintKind.STRUCTURAL_TAG, json.dumps(tag)), tokenizer, vocab, stops)
-    for bad in (Constraint(ConstraintKind.STRUCTURAL_TAG, '{"begin": "x"}'), Constraint(ConstraintKind.REGEX, "(")):
-        with pytest.raises(GatewayError) as info:
-            grammar_guide(bad, tokenizer, vocab, stops)
-        assert info.value.code.value == "invalid_request"
+    try:
+        assert compiler.compile(Constraint(ConstraintKind.STRUCTURAL_TAG, json.dumps(tag)), threading.Event())
+        for bad in (Constraint(ConstraintKind.STRUCTURAL_TAG, '{"begin": "x"}'), Constraint(ConstraintKind.REGEX, "(")):
+            with pytest.raises(GatewayError) as info:
+                compiler.compile(bad, threading.Event())
+            assert info.value.code.value == "invalid_request"
+    finally:
+        compiler.close()
     assert choice_grammar(['a"b', "c\\d"]) == 'root ::= "a\\"b" | "c\\\\d"'
 
 

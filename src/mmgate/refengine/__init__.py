@@ -24,6 +24,8 @@ Modules, in request order:
   mm_inputs.py  neutral MediaBatch values -> ModelInputs (forward kwargs); the vLLM wire's reader.
   tokenspeed_inputs.py  the TokenSpeed wire's items, bootstrap info and sampling fields.
   sampling.py   SamplingParams -> GenerationPlan.
+  constraint_pool.py  a constraint compiled in a child process (deadline, memory cap, cache), off the model thread.
+  constraint_worker.py  that child: one xgrammar compiler;  constraints.py  the grammar's mask on each step.
   generation.py the token loop: a single engine, a prefill leg, a decode leg.
   kv_state.py   what a prefill hands its decode: KV cache, position state, first tokens.
   encoding.py   EPD: the tower on one item; the items' embeddings as mm_encoder_outputs.

@@ -14,7 +14,8 @@ consumers on ``--bootstrap-port`` (the reference engine's own handoff,
 report and behave as a worker that runs the language model without its vision
 tower (vLLM ``--language-model-only``, SGLang ``language_only``, TokenSpeed
 with no active modality): it takes no media tensors, only a decode leg's media
-identity (docs/refengine-roles.md).
+identity (docs/refengine-roles.md).  ``--constraint-compile-*`` bound the compile of a
+structured-output constraint, which runs in a child process (:mod:`.constraint_pool`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,15 @@ from mmgate.engines.base import Role, Wire
 from mmgate.options import add_option, resolve
 from mmgate.refengine.mm_config import MmProcessorConfig, add_mm_arguments, mm_config
 from mmgate.settings import ENCODER_DTYPES
+
+
+@dataclass(frozen=True, slots=True)
+class CompileLimits:
+    """How structured-output constraints are compiled (``--constraint-compile-*``; :mod:`.constraint_pool`)."""
+
+    timeout_s: float = 10.0  # a compile running longer is abandoned (its child killed): constraint_too_complex
+    memory_bytes: int = 1 << 30  # address space a child may add while compiling (RLIMIT_AS)
+    workers: int = 2  # child processes at most (started on demand, kept warm; one compile each at a time)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +64,7 @@ class EngineConfig:
     handoff_timeout_s: float = 30.0  # an unclaimed KV / embedding is freed after this long
     handoff_wait_s: float = 30.0  # a decode / EPD prefill waits this long for its room
     language_model_only: bool = False  # no vision tower: report it, take no media tensors (a decode leg's identity only)
+    compile_limits: CompileLimits = field(default_factory=CompileLimits)  # structured-output constraint compiles
 
     @property
     def model_name(self) -> str:
@@ -104,6 +115,16 @@ def build_arg_parser() -> argparse.ArgumentParser:
                help="run as a language-model-only worker (no vision tower): report it as the wire's engines do "
                     "(vLLM supports_vision false, SGLang language_only, TokenSpeed no modality) and refuse media "
                     "tensors; a decode leg's media identity is still taken")
+    c = parser.add_argument_group("structured outputs")
+    add_option(c, "--constraint-compile-timeout", type=float, default=10.0, minimum=0.001,
+               help="seconds a structured-output constraint may take to compile (in a child process); past it "
+                    "the compile is abandoned and the request refused: 400 constraint_too_complex")
+    add_option(c, "--constraint-compile-memory", type=int, default=1024, minimum=16, metavar="MIB",
+               help="MiB of address space one compile may add to its child process (RLIMIT_AS); past it: "
+                    "400 constraint_too_complex")
+    add_option(c, "--constraint-compile-workers", type=int, default=2, minimum=1,
+               help="child processes compiling constraints, at most (started on demand and kept warm; each "
+                    "compiles one constraint at a time)")
     add_mm_arguments(parser)
     return parser
 
@@ -145,4 +166,7 @@ def parse_args(argv: list[str] | None, environ: Mapping[str, str] | None = None)
         handoff_timeout_s=ns.handoff_timeout,
         handoff_wait_s=ns.handoff_wait,
         language_model_only=ns.language_model_only,
+        compile_limits=CompileLimits(timeout_s=ns.constraint_compile_timeout,
+                                     memory_bytes=ns.constraint_compile_memory << 20,
+                                     workers=ns.constraint_compile_workers),
     )

@@ -20,8 +20,14 @@ item's embeddings from its encode engine and passes them as ``mm_encoder_outputs
 takes it; a decode leg, which continues from the prefill's KV, as it arrived (its prompt ids and the
 tensors of its media identity), so a recording shows what each leg was sent.
 
-Threads: network waits (handoff pulls) run on the gRPC handler's thread; model work runs on
-``config.model_workers`` model threads.  A handler waits on a queue the model thread fills.
+Structured outputs: a leg's constraint is compiled on the gRPC handler's thread, in a child
+process (:mod:`.constraint_pool`), before the leg reaches a model thread, so a slow or crashing
+compile holds neither the model thread nor the process; the compiled grammar rides with the leg's
+job.  A leg cancelled while its constraint compiles ends ``abort`` with no tokens, as a leg
+aborted while queued does (a prefill leg publishes the failure to its room).
+
+Threads: network waits (handoff pulls) and constraint compiles run on the gRPC handler's thread;
+model work runs on ``config.model_workers`` model threads.  A handler waits on a queue the model thread fills.
 A Generate stream holds its pool thread for its whole life, so at most ``config.rpc_workers``
 run at once (more: ``RESOURCE_EXHAUSTED``); :data:`MANAGEMENT_THREADS` more pool threads keep
 health and info answered while the engine is busy (issue 15).
@@ -41,15 +47,18 @@ from typing import Any
 
 import grpc
 import torch
+import xgrammar as xgr
 from smg_grpc_proto.generated import vllm_engine_pb2
 
 from mmgate.engines.vllm import carried_error_details
 from mmgate.errors import ERROR_TABLE, ErrorCode, GatewayError
 from mmgate.refengine.bundle import LazyTokenizer, LoadedModel
 from mmgate.refengine.config import EngineConfig, Role
+from mmgate.refengine.constraint_pool import CompileCancelled, ConstraintCompiler
 from mmgate.refengine.device_normalize import DeviceNormalizer
 from mmgate.refengine.encoding import combine, encode_item
 from mmgate.refengine.generation import (
+    FinishReason,
     GenerationResult,
     run_decode,
     run_generation,
@@ -179,6 +188,11 @@ class EngineShutdown(Exception):
     """The model threads are gone (the engine is stopping)."""
 
 
+def _aborted(plan: GenerationPlan, prompt_tokens: int) -> Run:
+    """A leg cancelled before it reached a model thread: its first choice ends ``abort``, no tokens."""
+    return Run(plan, prompt_tokens, iter([ChoiceEnd(0, GenerationResult((), FinishReason.ABORT, None, None))]))
+
+
 class EngineCore:
     """One loaded model behind any wire and role (see the module docstring)."""
 
@@ -187,6 +201,7 @@ class EngineCore:
         self.loaded = loaded
         self.normalizer = normalizer
         self.tokenizer = LazyTokenizer(config.model)
+        self.grammars = ConstraintCompiler(self.tokenizer, loaded.facts.vocab_size, config.compile_limits)
         self.recorder = RequestRecorder(config.record_dir) if config.record_dir is not None else None
         self.handoff = (HandoffServer(config.host, config.bootstrap_port, config.handoff_timeout_s)
                         if config.role in (Role.PREFILL, Role.ENCODE) else None)
@@ -248,6 +263,7 @@ class EngineCore:
             for flag in self._active.values():
                 flag.set()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self.grammars.close()
         if self.handoff is not None:
             self.handoff.close()
 
@@ -302,11 +318,15 @@ class EngineCore:
         if role is Role.PREFILL and leg.kv is not None:
             return self._prefill(leg, leg.kv, cancelled)
         inputs, plan = self._prepare(leg, cancelled)
+        try:
+            grammar = self._grammar(plan, cancelled)
+        except CompileCancelled:
+            return _aborted(plan, inputs.prompt_len)
 
         def job(events: queue.Queue[object]) -> None:
             for index in range(plan.n):
                 result = run_generation(self.loaded, inputs, plan.for_choice(index), _emitter(events, index),
-                                        cancelled, self.tokenizer)
+                                        cancelled, self.tokenizer, grammar)
                 events.put(ChoiceEnd(index, result))
                 if result.finish_reason == "abort":
                     break
@@ -315,6 +335,15 @@ class EngineCore:
 
     def _plan(self, leg: Leg) -> GenerationPlan:
         return plan_generation(leg.sampling, self.loaded.facts, len(leg.input_ids), self.config.max_tokens_default)
+
+    def _grammar(self, plan: GenerationPlan, cancelled: threading.Event) -> xgr.CompiledGrammar | None:
+        """The plan's constraint compiled on this (handler) thread, in a child process; None without one.
+
+        Raises:
+            GatewayError(INVALID_REQUEST / CONSTRAINT_TOO_COMPLEX): see :meth:`ConstraintCompiler.compile`.
+            CompileCancelled: the leg was cancelled first.
+        """
+        return self.grammars.compile(plan.constraint, cancelled) if plan.constraint is not None else None
 
     def _prepare(self, leg: Leg, cancelled: threading.Event) -> tuple[ModelInputs, GenerationPlan]:
         """The leg's model inputs (an EPD leg's embeddings pulled first) and its plan."""
@@ -348,6 +377,10 @@ class EngineCore:
         store.reserve(key)
         try:
             inputs, plan = self._prepare(leg, cancelled)
+            grammar = self._grammar(plan, cancelled)
+        except CompileCancelled:
+            store.fail(key, "the prefill was cancelled while its constraint compiled", False)
+            return _aborted(plan, inputs.prompt_len)
         except BaseException as exc:
             store.fail(key, f"the prefill refused the request: {grpc_status(exc)[1]}", _caller_fault(exc))
             raise
@@ -355,7 +388,7 @@ class EngineCore:
         def job(events: queue.Queue[object]) -> None:
             try:
                 state, results = run_prefill(self.loaded, inputs, plan,
-                                             lambda i, t, lp: events.put(Token(i, t, lp)), self.tokenizer)
+                                             lambda i, t, lp: events.put(Token(i, t, lp)), self.tokenizer, grammar)
             except BaseException as exc:
                 store.fail(key, f"the prefill failed: {grpc_status(exc)[1]}", _caller_fault(exc))
                 raise
@@ -378,6 +411,10 @@ class EngineCore:
         assert leg.kv is not None
         self._record_arrival(leg)
         plan = self._plan(leg)
+        try:
+            grammar = self._grammar(plan, cancelled)
+        except CompileCancelled:
+            return _aborted(plan, len(leg.input_ids))
         tree = fetch(leg.kv.host, leg.kv.port, kv_key(leg.kv.room), self.config.handoff_wait_s, cancelled)
         state = unpack_prefill(tree)
         if list(state.prompt_ids) != list(leg.input_ids):
@@ -391,7 +428,7 @@ class EngineCore:
         def job(events: queue.Queue[object]) -> None:
             for index in range(plan.n):
                 result = run_decode(self.loaded, state, index, plan.for_choice(index), _emitter(events, index),
-                                    cancelled, self.tokenizer)
+                                    cancelled, self.tokenizer, grammar)
                 events.put(ChoiceEnd(index, result))
                 if result.finish_reason == "abort":
                     break

@@ -24,9 +24,10 @@ model's own message.  Greedy output equals ``model.generate(do_sample=False)``
 Token choice mirrors vLLM's V1 sampler (:func:`.sampler.sample_next`: min-tokens,
 ``logit_bias``, penalties, then argmax, or temperature, min-p, top-k/top-p and
 exponential-noise sampling with the request's own ``torch.Generator`` when
-seeded), on the float32 last-position logits.  A structured-output constraint
-masks the logits before the processors and ends the generation once its grammar
-is complete (:mod:`.constraints`).
+seeded), on the float32 last-position logits.  A structured-output constraint, compiled
+before the request reaches the model thread (:mod:`.constraint_pool`; each function takes
+its ``grammar``), masks the logits before the processors and ends the generation once its
+grammar is complete (:mod:`.constraints`).
 
 Disaggregated legs (:mod:`.kv_state` says what crosses between them): :func:`run_prefill` runs
 the prompt forward once and samples each choice's first token from its logits;
@@ -48,6 +49,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 import torch
+import xgrammar as xgr
 from transformers import DynamicCache
 
 from mmgate.refengine.bundle import LazyTokenizer, LoadedModel
@@ -119,13 +121,15 @@ class _Choice:
     """One choice's token loop: pick a token from logits, take it (emit, stop rules)."""
 
     def __init__(self, loaded: LoadedModel, plan: GenerationPlan, prompt_ids: torch.Tensor,
-                 on_token: Callable[[int, TokenLogprobs | None], None], tokenizer: LazyTokenizer) -> None:
+                 on_token: Callable[[int, TokenLogprobs | None], None], tokenizer: LazyTokenizer,
+                 grammar: xgr.CompiledGrammar | None) -> None:
         self.plan = plan
         self.prompt_ids = prompt_ids
         self.on_token = on_token
         self.generator = _generator(plan)
         self.stop_strings = _StopStrings(plan.stop_strings, tokenizer)
-        self.guide = grammar_guide(plan.constraint, tokenizer, loaded.facts.vocab_size, plan.stop_token_ids)
+        assert (grammar is None) == (plan.constraint is None), "a constrained plan needs its compiled grammar"
+        self.guide = grammar_guide(grammar, plan.stop_token_ids, loaded.facts.vocab_size)
         self.output: list[int] = []
 
     def pick(self, logits: torch.Tensor) -> tuple[int, TokenLogprobs | None]:
@@ -191,6 +195,7 @@ def run_generation(
     on_token: Callable[[int, TokenLogprobs | None], None],
     cancelled: threading.Event,
     tokenizer: LazyTokenizer,
+    grammar: xgr.CompiledGrammar | None,
 ) -> GenerationResult:
     """Generate for one request (a single engine: the prefill and every step here).
 
@@ -202,6 +207,7 @@ def run_generation(
             for them), in order, from this thread.
         cancelled: set by Abort or a client disconnect; checked after every token.
         tokenizer: decodes the completion for stop strings (loaded only if the plan has any).
+        grammar: the plan's constraint, compiled (None: unconstrained).
 
     Returns:
         The :class:`GenerationResult`: ``stop`` on a stop token or string, ``abort``
@@ -210,7 +216,7 @@ def run_generation(
     Raises:
         Whatever the model code raises (ValueError for inputs it refuses).
     """
-    choice = _Choice(loaded, plan, inputs.input_ids, on_token, tokenizer)
+    choice = _Choice(loaded, plan, inputs.input_ids, on_token, tokenizer, grammar)
     if cancelled.is_set():  # aborted while queued
         return choice.abort()
     with torch.inference_mode():
@@ -226,6 +232,7 @@ def run_prefill(
     plan: GenerationPlan,
     on_token: Callable[[int, int, TokenLogprobs | None], None],
     tokenizer: LazyTokenizer,
+    grammar: xgr.CompiledGrammar | None,
 ) -> tuple[PrefillState, list[GenerationResult]]:
     """The prefill leg: the prompt forward once, then each choice's first token from its logits.
 
@@ -242,7 +249,7 @@ def run_prefill(
             def emit(token: int, lp: TokenLogprobs | None, index: int = index) -> None:
                 on_token(index, token, lp)
 
-            choice = _Choice(loaded, plan.for_choice(index), inputs.input_ids, emit, tokenizer)
+            choice = _Choice(loaded, plan.for_choice(index), inputs.input_ids, emit, tokenizer, grammar)
             token, logprobs = choice.pick(logits.clone())  # each choice samples the same logits
             end = choice.take(token, logprobs)
             state = choice.generator.get_state() if choice.generator is not None else None
@@ -261,6 +268,7 @@ def run_decode(
     on_token: Callable[[int, TokenLogprobs | None], None],
     cancelled: threading.Event,
     tokenizer: LazyTokenizer,
+    grammar: xgr.CompiledGrammar | None,
 ) -> GenerationResult:
     """The decode leg of choice ``index``: restore the prefill's KV and position state, take the
     prefill's first token, then step as :func:`run_generation` does after its own first token.
@@ -269,7 +277,7 @@ def run_decode(
         ValueError: a state this model cannot continue (another model's KV).
     """
     prompt = torch.tensor([state.prompt_ids], dtype=torch.int64)
-    choice = _Choice(loaded, plan, prompt, on_token, tokenizer)
+    choice = _Choice(loaded, plan, prompt, on_token, tokenizer, grammar)
     if cancelled.is_set():
         return choice.abort()
     first = state.first[index]
