@@ -454,19 +454,6 @@ class Pipeline:
             raise
         return [tasks[ref.url].result() for ref in refs]
 
-    async def _preprocess(self, family: Family, images: Sequence[DecodedImage], modalities: frozenset[Modality],
-                          choose_worker: Callable[[frozenset[Modality]], bool] | None,
-                          ) -> tuple[EncoderBatch, tuple[ItemPlan, ...]]:
-        """Plan each (unhinted) image, choose the worker, then preprocess: the image-only path."""
-        proc = processor(family, Modality.IMAGE)
-        assert isinstance(proc, ImageProcessor)
-        plans = tuple(proc.plan(im.height, im.width) for im in images)
-        raw = choose_worker(modalities) if choose_worker is not None else False
-        refs = [MediaRef(Modality.IMAGE, "", i, "") for i in range(len(images))]
-        batch = await self._preprocess_images(proc, images, refs, plans, raw)
-        assert batch is not None
-        return batch, plans
-
     async def _preprocess_images(self, proc: ImageProcessor | VideoProcessor | None, images: Sequence[DecodedImage],
                                  refs: Sequence[MediaRef], plans: Sequence[ItemPlan], raw: bool,
                                  defer: bool = False) -> EncoderBatch | None:

@@ -30,12 +30,13 @@ from mmgate.api.protocol import parse_chat_request
 from mmgate.engines.base import Bootstrap, Role
 from mmgate.engines.sglang import (
     JSON_OBJECT_SCHEMA,
+    SPAN_WHEN_NO_RUN,
     build_generate_request,
-    embedding_runs,
     encode_generate_request,
     events,
     map_rpc_error,
 )
+from mmgate.engines.wire_values import embedding_runs
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.transport.dtypes import EncoderDtype
 from mmgate.types import (
@@ -206,7 +207,8 @@ def test_qwen3_video_placeholders_are_its_frame_runs_and_the_sglang_wire_refuses
     assert list(prepared.input_ids) == ref.input_ids
     batch = prepared.batches[0]
     video_token = processor(QWEN3).video_token_id
-    runs = embedding_runs(prepared.input_ids, batch.placeholder_token_id, batch.placeholders)
+    runs = embedding_runs(prepared.input_ids, batch.placeholder_token_id, batch.placeholders,
+                          whole_span_when_empty=SPAN_WHEN_NO_RUN)
     assert [(r.offset, r.length) for r in runs] == runs_of(ref.input_ids, video_token)
     (t, h, w), = ref.out["video_grid_thw"].tolist()
     assert [r.length for r in runs] == [h * w // 4] * t  # one run per frame, the markers and timestamps left out

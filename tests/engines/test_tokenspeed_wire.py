@@ -35,14 +35,14 @@ from mmgate.engines.adapter import TokenSpeedAdapter
 from mmgate.engines.base import Bootstrap, Role
 from mmgate.engines.tokenspeed import (
     build_encode_request,
+    SPAN_WHEN_NO_RUN,
     build_generate_request,
-    embedding_runs,
-    encoder_dtype_overrides,
     events,
     materialize,
 )
 from mmgate.errors import ErrorCode, GatewayError
-from mmgate.settings import TensorTransport, TransportSettings, parse_settings
+from mmgate.engines.wire_values import embedding_runs
+from mmgate.settings import TensorTransport, TransportSettings, parse_settings, tokenspeed_encoder_dtypes
 from mmgate.transport.dtypes import EncoderDtype
 from mmgate.transport.policy import INLINE_FLOAT32, wire_plan
 from mmgate.transport.shm import ShmLease
@@ -234,12 +234,13 @@ def test_env_overrides_pick_each_modality_dtype_and_items_follow_prompt_order(wo
     parts = [image_part(small), video_part(clip_files[0]), image_part(large)]
     prepared = prepare(QWEN3, parts, "Order?")
     ref = reference(QWEN3, ["image", "video", "image"], [small, large], [clip_files[0]], "Order?")
-    overrides = encoder_dtype_overrides({"SMG_TOKENSPEED_ENCODER_INPUT_DTYPE": "float16",
-                                         "SMG_TOKENSPEED_IMAGE_ENCODER_INPUT_DTYPE": "torch.float32"})
-    assert overrides == {Modality.IMAGE: EncoderDtype.FLOAT32, Modality.VIDEO: EncoderDtype.FLOAT16,
-                         Modality.AUDIO: EncoderDtype.FLOAT16}
-    plan = wire_plan(TransportSettings(), worker.labels())  # the label says bfloat16; the overrides win
-    got, _ = send(worker, build_generate_request(prepared, Role.SINGLE, plan, encoder_dtypes=overrides))
+    settings = TransportSettings(tokenspeed_encoder_dtypes=tokenspeed_encoder_dtypes(
+        {"SMG_TOKENSPEED_ENCODER_INPUT_DTYPE": "float16", "SMG_TOKENSPEED_IMAGE_ENCODER_INPUT_DTYPE": "torch.float32"}))
+    plan = TokenSpeedAdapter().plan(settings, worker.labels())  # the label says bfloat16; the overrides win
+    assert dict(plan.modality_encoder_dtypes) == {Modality.IMAGE: EncoderDtype.FLOAT32,
+                                                  Modality.VIDEO: EncoderDtype.FLOAT16,
+                                                  Modality.AUDIO: EncoderDtype.FLOAT16}
+    got, _ = send(worker, build_generate_request(prepared, Role.SINGLE, plan))
 
     assert_identity(got, prepared, ref)
     assert [it.modality for it in got.items] == ["IMAGE", "VIDEO", "IMAGE"]
@@ -254,8 +255,8 @@ def test_env_overrides_pick_each_modality_dtype_and_items_follow_prompt_order(wo
 
 def test_an_invalid_dtype_override_names_its_variable() -> None:
     with pytest.raises(ValueError, match="SMG_TOKENSPEED_VIDEO_ENCODER_INPUT_DTYPE"):
-        encoder_dtype_overrides({"SMG_TOKENSPEED_VIDEO_ENCODER_INPUT_DTYPE": "int8"})
-    assert encoder_dtype_overrides({}) == {}
+        tokenspeed_encoder_dtypes({"SMG_TOKENSPEED_VIDEO_ENCODER_INPUT_DTYPE": "int8"})
+    assert tokenspeed_encoder_dtypes({}) == ()
 
 
 # --- shared memory ------------------------------------------------------------------------------------
@@ -426,7 +427,7 @@ def test_sampling_fields_reach_the_engine_as_its_servicer_reads_them(worker) -> 
     (Constraint(ConstraintKind.JSON_OBJECT, ""), {"json_schema": '{"type": "object"}'}),
     (Constraint(ConstraintKind.JSON_SCHEMA, '{"type": "string"}'), {"json_schema": '{"type": "string"}'}),
     (Constraint(ConstraintKind.GRAMMAR, 'root ::= "x"'), {"ebnf": 'root ::= "x"'}),
-    (Constraint(ConstraintKind.CHOICE, '["yes", "a \\"b\\"\\n"]'), {"ebnf": 'root ::= "yes" | "a \\"b\\"\\x0a"'}),
+    (Constraint(ConstraintKind.CHOICE, '["yes", "a \\"b\\"\\n"]'), {"ebnf": 'root ::= "yes" | "a \\"b\\"\\n"'}),
     (Constraint(ConstraintKind.STRUCTURAL_TAG, '{"type": "tag"}'), {"structural_tag": '{"type": "tag"}'}),
 ])
 def test_each_constraint_kind_lands_in_its_oneof_case(worker, constraint: Constraint, expected: dict) -> None:
@@ -476,8 +477,11 @@ def test_streamed_and_whole_answers_become_neutral_events(worker) -> None:
 
 def test_embedding_runs_split_a_span_at_non_embedding_tokens() -> None:
     ids = [1, 8, 5, 5, 9, 8, 5, 9]
-    assert embedding_runs(ids, PlaceholderRange(1, 7), 5) == [PlaceholderRange(2, 2), PlaceholderRange(6, 1)]
-    assert embedding_runs(ids, PlaceholderRange(0, 2), 5) == [PlaceholderRange(0, 2)]  # none inside: the span
+    def runs(span: PlaceholderRange) -> tuple[PlaceholderRange, ...]:
+        return embedding_runs(ids, 5, (span,), whole_span_when_empty=SPAN_WHEN_NO_RUN)
+
+    assert runs(PlaceholderRange(1, 7)) == (PlaceholderRange(2, 2), PlaceholderRange(6, 1))
+    assert runs(PlaceholderRange(0, 2)) == (PlaceholderRange(0, 2),)  # none inside: the span
 
 
 def test_inline_plan_is_the_default() -> None:

@@ -130,23 +130,33 @@ def test_preprocess_and_expansion_agree_with_the_plan(model_type: str, backend: 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_pixel_cache_hit_equals_miss(model_type: str) -> None:
-    """Through the pipeline's preprocessing step: a cached image gives the bytes a fresh one gives."""
+    """Through the pipeline's public path (``Pipeline.prepare``): a cached image gives the bytes a fresh one gives."""
     import asyncio
+    import base64
     from concurrent.futures import ThreadPoolExecutor
 
+    from mmgate.api.protocol import parse_chat_request
     from mmgate.cache import PixelCache
-    from mmgate.pipeline import Pipeline
+    from mmgate.media.fetch import MediaFetcher
+    from mmgate.pipeline import ModelRuntime, Pipeline
+    from mmgate.settings import Settings
 
-    family, _ = family_for(model_type, BACKENDS[0])
-    first = decode_image(ImageSpec(97, 61, "RGB", 900).encode(), 10**9)
-    images = [first, decode_image(ImageSpec(640, 480, "RGB", 901).encode(), 10**9), first]
+    family, entry = family_for(model_type, BACKENDS[0])
+    bundle = load_bundle(Path(find_bundle_dir(entry["bundle"])))
+    runtime = ModelRuntime(bundle=bundle, tokenizer=load_tokenizer(bundle), family=family, served_name=model_type)
+    first = ImageSpec(97, 61, "RGB", 900).encode()
+    urls = [f"data:image/png;base64,{base64.b64encode(b).decode()}"
+            for b in (first, ImageSpec(640, 480, "RGB", 901).encode(), first)]
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    body = {"model": model_type, "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "?"}]}]}
     cache = PixelCache(256 * 1024 * 1024)
+    settings = Settings(model=model_type, image_backend=BACKENDS[0])
     with ThreadPoolExecutor(2) as pool:
-        pipe = Pipeline.__new__(Pipeline)
-        pipe.executor, pipe.cache = pool, cache
+        pipe = Pipeline(runtime, settings, MediaFetcher(settings.fetch), pool, cache)
 
         def run() -> np.ndarray:
-            batch, _ = asyncio.run(pipe._preprocess(family, images, frozenset({Modality.IMAGE}), None))
+            prepared = asyncio.run(pipe.prepare(parse_chat_request(json.dumps(body).encode())))
+            batch = next(b for b in prepared.batches if b.modality is Modality.IMAGE)
             return batch.tensors[batch.primary_key]
 
         miss = run()

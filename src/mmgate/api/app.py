@@ -42,11 +42,11 @@ from mmgate.chat.tokenizer import load_tokenizer
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.fetch import MediaFetcher
 from mmgate.models.bundle import resolve_bundle
-from mmgate.models.geometry import resolve_backend, video_backend_for
+from mmgate.models.geometry import resolve_backend
 from mmgate.models.registry import load_family
 from mmgate.pipeline import ModelRuntime, Pipeline
 from mmgate.routing.workers import WorkerRegistry
-from mmgate.settings import HttpSettings, Settings
+from mmgate.settings import HttpSettings, ImageBackend, Settings
 from mmgate.transport.shm import sweep_dead_segments
 
 log = logging.getLogger("mmgate.api")
@@ -76,7 +76,7 @@ def build_state(settings: Settings) -> GatewayState:
     bundle = resolve_bundle(settings.model, settings.model_search_path)
     tokenizer = load_tokenizer(bundle)
     backend = resolve_backend(settings.image_backend)
-    family = load_family(bundle, tokenizer, backend, video_backend_for(settings.image_backend, backend))
+    family = load_family(bundle, tokenizer, backend, ImageBackend.TORCHVISION)  # video: torchvision-only reference
     runtime = ModelRuntime(bundle=bundle, tokenizer=tokenizer, family=family,
                            served_name=settings.served_model_name or bundle.name)
     threads = settings.preprocess_threads or (os.cpu_count() or 2)

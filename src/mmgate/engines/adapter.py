@@ -249,10 +249,6 @@ class TokenSpeedAdapter(WireAdapter):
         """(method path, response parser) of the ``Encode`` call of an encode worker."""
         return self.ENCODE_METHOD, tokenspeed_encoder_pb2.EncodeResponse.FromString
 
-    def item_count(self, prepared: PreparedRequest) -> int:
-        """How many media items ``prepared`` carries (one ``Encode`` RPC each)."""
-        return len(tokenspeed.prompt_items(prepared))
-
     def item_hashes(self, prepared: PreparedRequest) -> list[str]:
         """Each item's content hash, in prompt order (what ``--encode-policy consistent_hashing`` keys on)."""
         return [batch.mm_hashes[index] for batch, index in tokenspeed.prompt_items(prepared)]

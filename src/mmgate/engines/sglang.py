@@ -46,8 +46,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -60,26 +58,20 @@ from mmgate.engines.base import (
     EngineEvent,
     Role,
 )
+from mmgate.engines.codec import SGLANG_PIXEL_TAGS, Tail, join_tail
 from mmgate.engines.responses import response_events
 from mmgate.engines.rpc_errors import map_rpc_error as common_map_rpc_error
 from mmgate.engines.rpc_errors import parse_carried_error
+from mmgate.engines.wire_values import check_range, choice_grammar, embedding_runs, wire_form
 from mmgate.errors import ErrorCode, GatewayError
-from mmgate.transport.dtypes import (
-    EncoderDtype,
-    convert_encoder_input,
-    to_bfloat16_bits,
-    to_float16,
-)
-from mmgate.transport.placement import BufferTarget, Convert, identity, new_bytes
+from mmgate.transport.dtypes import EncoderDtype, convert_encoder_input
 from mmgate.types import (
     Constraint,
     ConstraintKind,
     EncoderBatch,
     Modality,
     PendingTensor,
-    PlaceholderRange,
     PreparedRequest,
-    RowTarget,
     SamplingParams,
     TensorLayout,
 )
@@ -92,6 +84,14 @@ MODALITIES = frozenset({Modality.IMAGE})
 #: SGLang's own text for ``response_format: json_object`` (``entrypoints/openai/serving_chat.py``)
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 _INT32_MAX, _UINT32_MAX = 2**31 - 1, 2**32 - 1
+#: ``wire_form`` raw_pixels: False.  ``tensor_wire.tensor_from_parts`` decodes uint8, but
+#: ``_parse_mm_inputs`` (l.976-1042) hands ``pixel_values`` to the model as features: SGLang has no
+#: device normalize, so uint8 pixels would reach the tower unnormalized
+RAW_PIXELS = False
+#: ``embedding_runs`` whole_span_when_empty: False.  ``_parse_mm_inputs`` (l.1035-1043) turns
+#: ``mm_placeholders`` into ``MultimodalDataItem.offsets`` that must match the encoder output row for
+#: row; a range without a placeholder token has no rows to receive, so it is a bug (500), not sent
+SPAN_WHEN_NO_RUN = False
 #: the scheduler's refusal (``managers/utils.py`` ``validate_input_length``), which the gRPC path meets
 #: (it bypasses the tokenizer manager, whose wording :mod:`mmgate.engines.rpc_errors` already reads)
 _CONTEXT_TOO_LONG = re.compile(r"exceeds the maximum allowed length", re.IGNORECASE)
@@ -106,21 +106,7 @@ def _invalid(field: str, message: str) -> GatewayError:
 
 
 def _in_range(name: str, value: int | None, low: int, high: int) -> None:
-    if value is not None and not low <= value <= high:
-        raise _invalid(name, f"must be within [{low}, {high}]")
-
-
-def _choice_grammar(choices: Sequence[str]) -> str:
-    """An EBNF grammar of exactly ``choices`` (vLLM ``v1/structured_output/utils.py`` ``choice_as_grammar``,
-    with its newer escaping of line breaks and control characters): SGLang has no choice constraint."""
-    escapes = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-    def escape(ch: str) -> str:
-        if ch in escapes:
-            return escapes[ch]
-        return f"\\u{ord(ch):04x}" if ord(ch) < 0x20 or ord(ch) == 0x7F else ch
-
-    return "root ::= " + " | ".join('"' + "".join(escape(c) for c in s) + '"' for s in choices)
+    check_range(name, value, (low, high), suffix=" on the SGLang wire")
 
 
 def _set_constraint(sampling: pb.SamplingParams, constraint: Constraint) -> None:
@@ -130,7 +116,7 @@ def _set_constraint(sampling: pb.SamplingParams, constraint: Constraint) -> None
     if kind is ConstraintKind.JSON_OBJECT:
         sampling.json_schema = JSON_OBJECT_SCHEMA
     elif kind is ConstraintKind.CHOICE:
-        sampling.ebnf_grammar = _choice_grammar(json.loads(value))
+        sampling.ebnf_grammar = choice_grammar(json.loads(value))  # SGLang has no choice constraint
     elif kind is ConstraintKind.GRAMMAR:
         sampling.ebnf_grammar = value
     elif kind is ConstraintKind.JSON_SCHEMA:
@@ -185,30 +171,6 @@ def sampling_message(s: SamplingParams) -> pb.SamplingParams:
     return sampling
 
 
-def embedding_runs(input_ids: Sequence[int], token_id: int,
-                   ranges: Sequence[PlaceholderRange]) -> tuple[PlaceholderRange, ...]:
-    """The runs of ``token_id`` inside each range, in order: the positions that receive embeddings.
-
-    A Qwen image's range is one run already; a Qwen3-VL clip's range spans per-frame timestamp
-    text and ``<|vision_start|>``/``<|vision_end|>`` markers, and gives one run per frame.
-    Example: ids ``[9, S, P, P, E, S, P, P, E]`` with range ``(1, 8)`` -> ``(2, 2), (6, 2)``.
-
-    Raises:
-        GatewayError(INTERNAL_ERROR): a range outside the prompt or without any ``token_id``.
-    """
-    ids = np.asarray(input_ids, dtype=np.int64)
-    runs: list[PlaceholderRange] = []
-    for r in ranges:
-        if r.offset < 0 or r.length <= 0 or r.offset + r.length > ids.size:
-            raise _internal(f"placeholder range {r} lies outside the prompt of {ids.size} tokens")
-        hit = np.concatenate(([0], (ids[r.offset:r.offset + r.length] == token_id).astype(np.int8), [0]))
-        edges = np.flatnonzero(np.diff(hit))
-        if edges.size == 0:
-            raise _internal(f"placeholder range {r} holds no placeholder token {token_id}")
-        runs.extend(PlaceholderRange(r.offset + int(a), int(b - a)) for a, b in zip(edges[0::2], edges[1::2]))
-    return tuple(runs)
-
-
 def _disaggregated(role: Role, bootstrap: Bootstrap | None) -> pb.DisaggregatedParams | None:
     """``disaggregated_params`` for the leg (both legs of a pair get the same host, port and room)."""
     if role is Role.ENCODE:
@@ -258,7 +220,8 @@ def _mm_head(req: PreparedRequest, batch: EncoderBatch) -> pb.MultimodalInputs:
     mm = pb.MultimodalInputs(
         modalities=[batch.modality.value], im_token_id=batch.placeholder_token_id,
         mm_placeholders=[pb.PlaceholderRange(offset=r.offset, length=r.length)
-                         for r in embedding_runs(req.input_ids, batch.placeholder_token_id, batch.placeholders)])
+                         for r in embedding_runs(req.input_ids, batch.placeholder_token_id, batch.placeholders,
+                                                 whole_span_when_empty=SPAN_WHEN_NO_RUN)])
     for name, value in batch.tensors.items():
         if name != primary and name not in sizes:
             assert isinstance(value, np.ndarray), "only the primary tensor may be pending"
@@ -266,31 +229,8 @@ def _mm_head(req: PreparedRequest, batch: EncoderBatch) -> pb.MultimodalInputs:
     return mm
 
 
-def _wire_form(dtype: np.dtype, encoder_dtype: EncoderDtype) -> tuple[str, int, Convert]:
-    """(wire dtype name, bytes per value, block conversion) of a float32 primary tensor."""
-    if dtype != np.float32:
-        raise _internal(f"SGLang workers take normalized float encoder input, not {dtype} (no device normalize)")
-    if encoder_dtype is EncoderDtype.BFLOAT16:
-        return "bfloat16", 2, to_bfloat16_bits
-    if encoder_dtype is EncoderDtype.FLOAT16:
-        return "float16", 2, to_float16
-    return "float32", 4, identity
-
-
-@dataclass(frozen=True, slots=True)
-class _Tail:
-    """The primary tensor's bytes, placed after the rest of the serialized request."""
-
-    nbytes: int
-    array: np.ndarray | None = None  # wire-form values, copied once
-    pending: PendingTensor | None = None  # computed straight into the request bytes
-    width: int = 0
-    itemsize: int = 0
-    convert: Convert = identity
-
-
 def _build(req: PreparedRequest, role: Role, bootstrap: Bootstrap | None, encoder_dtype: EncoderDtype,
-           defer: bool) -> tuple[pb.GenerateRequest, _Tail | None]:
+           defer: bool) -> tuple[pb.GenerateRequest, Tail | None]:
     _in_range("logprobs", req.sampling.logprobs, 0, _INT32_MAX)  # top_logprobs_num is int32
     msg = pb.GenerateRequest(
         request_id=req.request_id,
@@ -307,19 +247,19 @@ def _build(req: PreparedRequest, role: Role, bootstrap: Bootstrap | None, encode
         return msg, None
     mm = _mm_head(req, batch)
     primary = batch.tensors[batch.primary_key]
-    dtype_name, itemsize, convert = _wire_form(primary.dtype, encoder_dtype)
-    tail: _Tail | None = None
+    dtype_name, itemsize, convert = wire_form(primary.dtype, encoder_dtype, raw_pixels=RAW_PIXELS)
+    tail: Tail | None = None
     if isinstance(primary, PendingTensor):
         if not defer:
             raise _internal("pending pixel values are placed by encode_generate_request")
         mm.pixel_values.CopyFrom(pb.TensorData(shape=list(primary.shape), dtype=dtype_name))
-        tail = _Tail(nbytes=primary.rows * primary.width * itemsize, pending=primary, width=primary.width,
+        tail = Tail(nbytes=primary.rows * primary.width * itemsize, pending=primary, width=primary.width,
                      itemsize=itemsize, convert=convert)
     else:
         array, _ = convert_encoder_input(primary, encoder_dtype)
         if defer:
             mm.pixel_values.CopyFrom(pb.TensorData(shape=list(array.shape), dtype=dtype_name))
-            tail = _Tail(nbytes=array.nbytes, array=np.ascontiguousarray(array))
+            tail = Tail(nbytes=array.nbytes, array=np.ascontiguousarray(array))
         else:
             mm.pixel_values.CopyFrom(_tensor(array, batch.primary_key, dtype_name))
     msg.mm_inputs.CopyFrom(mm)
@@ -342,23 +282,7 @@ def build_generate_request(prepared: PreparedRequest, role: Role, bootstrap: Boo
     return _build(prepared, role, bootstrap, encoder_dtype, defer=False)[0]
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _tail_prefix(nbytes: int) -> bytes:
-    """``mm_inputs (3) { pixel_values (4) { data (1): <nbytes bytes> } }`` up to the payload."""
-    inner = 1 + len(_varint(nbytes)) + nbytes
-    outer = 1 + len(_varint(inner)) + inner
-    return b"".join((b"\x1a", _varint(outer), b"\x22", _varint(inner), b"\x0a", _varint(nbytes)))
-
-
-def _count_sent(msg: pb.GenerateRequest, tail: _Tail | None) -> None:
+def _count_sent(msg: pb.GenerateRequest, tail: Tail | None) -> None:
     """Count the encoder tensors of a leg in ``smg_mm_tensors_total`` / ``smg_mm_tensor_bytes_total``
     (``runtime="sglang"``, ``path="inline"``: the SGLang wire has no shared memory), as the vLLM and
     TokenSpeed adapters count theirs."""
@@ -389,16 +313,7 @@ def encode_generate_request(prepared: PreparedRequest, role: Role, bootstrap: Bo
     msg, tail = _build(prepared, role, bootstrap, encoder_dtype, defer=True)
     head = msg.SerializeToString()
     _count_sent(msg, tail)
-    if tail is None:
-        return EncodedRequest(head)
-    prefix = head + _tail_prefix(tail.nbytes)
-    if tail.array is not None:
-        return EncodedRequest(b"".join((prefix, tail.array.reshape(-1).view(np.uint8).data)))
-    assert tail.pending is not None
-    data, view = new_bytes(len(prefix) + tail.nbytes)
-    view[:len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
-    target: RowTarget = BufferTarget(view[len(prefix):], tail.width, tail.itemsize, tail.convert, owner=data)
-    return EncodedRequest(data, ((tail.pending, target),))
+    return join_tail(head, tail, SGLANG_PIXEL_TAGS)
 
 
 def events(resp: pb.GenerateResponse) -> list[EngineEvent]:

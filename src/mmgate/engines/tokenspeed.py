@@ -37,34 +37,37 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import blake3
 import numpy as np
 from smg_grpc_proto.generated import (
-    common_pb2,
     tokenspeed_encoder_pb2,
     tokenspeed_scheduler_pb2,
 )
 
-from mmgate import metrics, timing_log
 from mmgate.engines.base import Bootstrap, EngineEvent, Role
 from mmgate.engines.responses import response_events
+from mmgate.engines.wire_values import (
+    INT32,
+    INT63,
+    PROTO_MODALITY,
+    UINT32,
+    UINT64,
+    check_range,
+    choice_grammar,
+    embedding_runs,
+    tensor_data,
+)
 from mmgate.errors import ErrorCode, GatewayError
-from mmgate.settings import tokenspeed_encoder_dtypes
-from mmgate.transport import shm
-from mmgate.transport.dtypes import EncoderDtype, convert_encoder_input
-from mmgate.transport.inline import wire_dtype_name
+from mmgate.transport.dtypes import convert_encoder_input
 from mmgate.transport.placement import BufferTarget
 from mmgate.transport.policy import INLINE_FLOAT32, WirePlan
 from mmgate.transport.shm import ShmLease
 from mmgate.types import (
     ConstraintKind,
     EncoderBatch,
-    Modality,
     PendingTensor,
-    PlaceholderRange,
     PreparedRequest,
     SamplingParams,
     TensorLayout,
@@ -72,23 +75,14 @@ from mmgate.types import (
 
 ENGINE = "tokenspeed"
 _pb = tokenspeed_scheduler_pb2
-_MODALITY = {Modality.IMAGE: common_pb2.IMAGE, Modality.VIDEO: common_pb2.VIDEO, Modality.AUDIO: common_pb2.AUDIO}
-
-_UINT32, _INT32, _UINT64, _INT64 = (0, 2**32 - 1), (-(2**31), 2**31 - 1), (0, 2**64 - 1), (0, 2**63 - 1)
+#: ``embedding_runs`` whole_span_when_empty: True.  ``_mm_inputs_from_itemized_proto`` (l.1181-1185)
+#: refuses an item without placeholders (or one of length 0); SMG sends the structural span when an
+#: item has no patch run (``assemble.rs`` ``placeholders_for_binding`` with ``prefer_patches``)
+SPAN_WHEN_NO_RUN = True
 
 
 def _bug(message: str) -> GatewayError:
     return GatewayError(ErrorCode.INTERNAL_ERROR, message)
-
-
-def encoder_dtype_overrides(environ: Mapping[str, str]) -> dict[Modality, EncoderDtype]:
-    """The per-modality encoder-input dtype overrides set in ``environ``, typed
-    (:func:`mmgate.settings.tokenspeed_encoder_dtypes` reads them, SMG's precedence).
-
-    Raises:
-        ValueError: a value that is not float32, bfloat16 or float16 (names the variable).
-    """
-    return {Modality(modality): EncoderDtype(dtype) for modality, dtype in tokenspeed_encoder_dtypes(environ)}
 
 
 # --- items ------------------------------------------------------------------------------------------
@@ -103,30 +97,6 @@ def prompt_items(req: PreparedRequest) -> list[tuple[EncoderBatch, int]]:
         raise _bug("an encoder batch without placeholder ranges")
     items = [(b, i) for b in req.batches for i in range(len(b.placeholders))]
     return sorted(items, key=lambda item: item[0].placeholders[item[1]].offset)
-
-
-def embedding_runs(input_ids: Sequence[int], span: PlaceholderRange, token_id: int) -> list[PlaceholderRange]:
-    """The runs of ``token_id`` inside ``span`` of ``input_ids``: the item's ``placeholders``.
-
-    SMG sends TokenSpeed the patch-only spans (``assemble.rs`` ``placeholders_for_binding`` with
-    ``prefer_patches``; ``process.rs`` ``patch_ranges``), falling back to the whole span when
-    it holds no embedding token; the servicer turns each range into an ``offsets`` entry
-    ``(offset, offset + length - 1)`` of positions that receive embeddings.
-
-    Example: ids ``[1, V, P, P, E, V, P, E]`` (a two-frame clip), span ``(1, 7)``, ``P``:
-    ``[PlaceholderRange(2, 2), PlaceholderRange(6, 1)]``.
-    """
-    runs: list[PlaceholderRange] = []
-    start = -1
-    end = span.offset + span.length
-    for pos in range(span.offset, end + 1):
-        inside = pos < end and input_ids[pos] == token_id
-        if inside and start < 0:
-            start = pos
-        elif not inside and start >= 0:
-            runs.append(PlaceholderRange(start, pos - start))
-            start = -1
-    return runs or [span]
 
 
 def item_share(batch: EncoderBatch, name: str, index: int) -> np.ndarray:
@@ -155,11 +125,6 @@ def content_hash(mm_hash: str) -> bytes:
     return blake3.blake3(mm_hash.encode()).digest()
 
 
-def _sent(name: str, path: str, nbytes: int) -> None:
-    metrics.tensor_sent(ENGINE, path, nbytes)
-    timing_log.tensor_sent(ENGINE, name, path, nbytes)
-
-
 def _tensor_data(array: np.ndarray, dtype_name: str, wire: WirePlan, lease: ShmLease | None,
                  name: str) -> tokenspeed_scheduler_pb2.TensorData:
     """``TensorData`` in shared memory (``lease`` given and ``wire.use_shm``) or inline.
@@ -168,30 +133,18 @@ def _tensor_data(array: np.ndarray, dtype_name: str, wire: WirePlan, lease: ShmL
     reads (``bfloat16`` as uint16 bits, else ``np.dtype(name)``); ``shm`` a ``common.ShmHandle``
     read at ``offset`` 0 for ``nbytes`` by ``mm_shm.tensor_payload_bytes``.
     """
-    array = np.ascontiguousarray(array)
-    dtype_name = dtype_name or wire_dtype_name(array)
-    if lease is not None and wire.use_shm(array.nbytes):
-        try:
-            segment = shm.write_segment(array)
-        except shm.ShmError:
-            metrics.SHM_WRITE_FAILURES.labels(ENGINE).inc()
-        else:
-            lease.add(segment)
-            _sent(name, "shm", array.nbytes)
-            handle = common_pb2.ShmHandle(name=segment, offset=0, nbytes=array.nbytes, owner_id=f"mmgate-{os.getpid()}")
-            return _pb.TensorData(shape=list(array.shape), dtype=dtype_name, shm=handle)
-    _sent(name, "inline", array.nbytes)
-    return _pb.TensorData(shape=list(array.shape), dtype=dtype_name, inline=array.tobytes())
+    return tensor_data(array, dtype_name, wire, lease, name, engine=ENGINE, message=_pb.TensorData)
 
 
 def _item(req: PreparedRequest, batch: EncoderBatch, index: int, with_input: bool, wire: WirePlan,
-          lease: ShmLease | None, encoder_dtype: EncoderDtype) -> tokenspeed_scheduler_pb2.MultimodalItem:
+          lease: ShmLease | None) -> tokenspeed_scheduler_pb2.MultimodalItem:
     """One ``MultimodalItem``; ``lease`` None keeps every tensor inline."""
     if len(batch.mm_hashes) != len(batch.placeholders):
         raise _bug(f"{batch.modality} batch has {len(batch.mm_hashes)} hashes for {len(batch.placeholders)} items")
-    runs = embedding_runs(req.input_ids, batch.placeholders[index], batch.placeholder_token_id)
+    runs = embedding_runs(req.input_ids, batch.placeholder_token_id, (batch.placeholders[index],),
+                          whole_span_when_empty=SPAN_WHEN_NO_RUN)
     item = _pb.MultimodalItem(
-        modality=_MODALITY[batch.modality], content_hash=content_hash(batch.mm_hashes[index]),
+        modality=PROTO_MODALITY[batch.modality], content_hash=content_hash(batch.mm_hashes[index]),
         placeholders=[_pb.PlaceholderRange(offset=r.offset, length=r.length) for r in runs],
         placeholder_token_id=batch.placeholder_token_id)
     primary = batch.primary_key
@@ -209,15 +162,10 @@ def _item(req: PreparedRequest, batch: EncoderBatch, index: int, with_input: boo
             # The servicer casts only floating features to the model dtype: raw uint8 pixels
             # (device normalization) would reach the tower unnormalized.
             raise _bug("the TokenSpeed wire takes float32 normalized encoder input")
-        share, dtype_name = convert_encoder_input(item_share(batch, primary, index), encoder_dtype)
+        share, dtype_name = convert_encoder_input(item_share(batch, primary, index),
+                                                  wire.encoder_dtype_for(batch.modality))
         item.encoder_input.CopyFrom(_tensor_data(share, dtype_name, wire, lease, primary))
     return item
-
-
-def _encoder_dtype(modality: Modality, wire: WirePlan,
-                   overrides: Mapping[Modality, EncoderDtype] | None) -> EncoderDtype:
-    """``overrides`` first (a caller's), then the plan's own (:meth:`WirePlan.encoder_dtype_for`)."""
-    return overrides[modality] if overrides and modality in overrides else wire.encoder_dtype_for(modality)
 
 
 async def materialize(req: PreparedRequest) -> PreparedRequest:
@@ -237,24 +185,8 @@ async def materialize(req: PreparedRequest) -> PreparedRequest:
 
 # --- sampling ----------------------------------------------------------------------------------------
 
-def _check(name: str, value: int | None, bounds: tuple[int, int], param: str | None = None) -> None:
-    low, high = bounds
-    if value is not None and not low <= value <= high:
-        raise GatewayError(ErrorCode.INVALID_REQUEST, f"{name} must be within [{low}, {high}] on this engine",
-                           param or name)
-
-
-def _ebnf_literal(text: str) -> str:
-    """``text`` as an EBNF (GBNF / xgrammar) string literal."""
-    out = []
-    for ch in text:
-        if ch in '"\\':
-            out.append("\\" + ch)
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\x{ord(ch):02x}")
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'
+def _check(name: str, value: int | None, bounds: tuple[int, int]) -> None:
+    check_range(name, value, bounds, suffix=" on this engine")
 
 
 def sampling_message(s: SamplingParams) -> tokenspeed_scheduler_pb2.SamplingParams:
@@ -274,13 +206,13 @@ def sampling_message(s: SamplingParams) -> tokenspeed_scheduler_pb2.SamplingPara
         GatewayError(INVALID_REQUEST): a value outside its wire field's range (names the field).
     """
     top_k = -1 if s.top_k <= 0 else s.top_k
-    _check("max_tokens", s.max_tokens, _UINT32)
-    _check("top_k", top_k, _INT32)
-    _check("seed", s.seed, _UINT64)
-    _check("n", s.n, _UINT32)
-    _check("min_tokens", s.min_tokens, _UINT32)
+    _check("max_tokens", s.max_tokens, UINT32)
+    _check("top_k", top_k, INT32)
+    _check("seed", s.seed, UINT64)
+    _check("n", s.n, UINT32)
+    _check("min_tokens", s.min_tokens, UINT32)
     for token in s.stop_token_ids:
-        _check("stop_token_ids", token, _UINT32)
+        _check("stop_token_ids", token, UINT32)
     sampling = _pb.SamplingParams(
         top_p=s.top_p, top_k=top_k, min_p=s.min_p, frequency_penalty=s.frequency_penalty,
         presence_penalty=s.presence_penalty, repetition_penalty=s.repetition_penalty, min_new_tokens=s.min_tokens,
@@ -301,7 +233,7 @@ def sampling_message(s: SamplingParams) -> tokenspeed_scheduler_pb2.SamplingPara
         elif c.kind is ConstraintKind.GRAMMAR:
             sampling.ebnf_grammar = c.value
         elif c.kind is ConstraintKind.CHOICE:
-            sampling.ebnf_grammar = "root ::= " + " | ".join(_ebnf_literal(x) for x in json.loads(c.value))
+            sampling.ebnf_grammar = choice_grammar(json.loads(c.value))
         else:
             setattr(sampling, c.kind.value, c.value)  # json_schema, regex, structural_tag
     return sampling
@@ -311,8 +243,7 @@ def sampling_message(s: SamplingParams) -> tokenspeed_scheduler_pb2.SamplingPara
 
 def build_generate_request(req: PreparedRequest, role: Role, wire: WirePlan = INLINE_FLOAT32,
                            lease: ShmLease | None = None, kv_bootstrap: Bootstrap | None = None,
-                           encode_bootstrap: Sequence[Bootstrap] | None = None, *,
-                           encoder_dtypes: Mapping[Modality, EncoderDtype] | None = None,
+                           encode_bootstrap: Sequence[Bootstrap] | None = None,
                            ) -> tokenspeed_scheduler_pb2.GenerateRequest:
     """The scheduler's ``GenerateRequest`` for one leg.
 
@@ -322,7 +253,7 @@ def build_generate_request(req: PreparedRequest, role: Role, wire: WirePlan = IN
     DECODE carry the same ``kv_bootstrap_info`` (the prefill's bootstrap host/port, one room
     per request).  ``encode_bootstrap`` (EPD, PREFILL only): one entry per item in prompt
     order (the item's encode worker's bootstrap host/port and its room); the prefill then
-    gets no encoder input.  ``encoder_dtypes``: :func:`encoder_dtype_overrides`.
+    gets no encoder input.  Each modality's encoder input is sent in ``wire.encoder_dtype_for`` it.
     Segments go into ``lease``; the caller releases it when the request ends.
 
     Raises:
@@ -343,14 +274,13 @@ def build_generate_request(req: PreparedRequest, role: Role, wire: WirePlan = IN
         tokenized=_pb.TokenizedInput(input_ids=list(req.input_ids), original_text=req.prompt_text),
         sampling_params=sampling_message(req.sampling), stream=req.stream)
     if req.sampling.logprobs is not None:
-        _check("logprobs", req.sampling.logprobs, _INT32)
+        _check("logprobs", req.sampling.logprobs, INT32)
         msg.return_logprob = True
         msg.top_logprobs_num = req.sampling.logprobs
     with_input = role is not Role.DECODE and not epd
     shm_lease = None if role is Role.DECODE else lease
     for batch, index in items:
-        dtype = _encoder_dtype(batch.modality, wire, encoder_dtypes)
-        msg.mm_inputs.items.append(_item(req, batch, index, with_input, wire, shm_lease, dtype))
+        msg.mm_inputs.items.append(_item(req, batch, index, with_input, wire, shm_lease))
     if epd:
         assert encode_bootstrap is not None
         for index, boot in enumerate(encode_bootstrap):
@@ -365,13 +295,12 @@ def build_generate_request(req: PreparedRequest, role: Role, wire: WirePlan = IN
 
 
 def _check_bootstrap(boot: Bootstrap) -> None:
-    if not (0 < boot.port < 65536 and _INT64[0] <= boot.room <= _INT64[1]):
+    if not (0 < boot.port < 65536 and INT63[0] <= boot.room <= INT63[1]):
         raise _bug(f"bootstrap port {boot.port} / room outside the wire's int32 / 63-bit range")
 
 
 def build_encode_request(req: PreparedRequest, item_index: int, bootstrap: Bootstrap,
-                         wire: WirePlan = INLINE_FLOAT32, lease: ShmLease | None = None, *,
-                         encoder_dtypes: Mapping[Modality, EncoderDtype] | None = None,
+                         wire: WirePlan = INLINE_FLOAT32, lease: ShmLease | None = None,
                          ) -> tokenspeed_encoder_pb2.EncodeRequest:
     """The ``EncodeRequest`` of item ``item_index`` (prompt order) for its encode worker.
 
@@ -388,7 +317,7 @@ def build_encode_request(req: PreparedRequest, item_index: int, bootstrap: Boots
         raise _bug(f"no item {item_index} among {len(items)}")
     _check_bootstrap(bootstrap)
     batch, index = items[item_index]
-    item = _item(req, batch, index, True, wire, lease, _encoder_dtype(batch.modality, wire, encoder_dtypes))
+    item = _item(req, batch, index, True, wire, lease)
     return tokenspeed_encoder_pb2.EncodeRequest(
         request_id=f"{req.request_id}-encode-{item_index}",
         mm_inputs=_pb.MultimodalInputs(items=[item]),

@@ -37,37 +37,34 @@ every wire; its names are re-exported here for the reference engine).
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
-from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2
 
-from mmgate import metrics, timing_log
+from mmgate import metrics
 from mmgate.engines.base import EncodedRequest, EngineEvent
+from mmgate.engines.codec import VLLM_PIXEL_TAGS, Tail, join_tail
 from mmgate.engines.responses import response_events
 from mmgate.engines.rpc_errors import (
     carried_error_details,
     map_rpc_error,
     parse_carried_error,
 )
-from mmgate.errors import ErrorCode, GatewayError
+from mmgate.engines.wire_values import (
+    INT32,
+    PROTO_MODALITY,
+    UINT32,
+    check_range,
+    count_sent,
+    shm_handle,
+    tensor_data,
+    wire_form,
+)
 from mmgate.transport import shm
-from mmgate.transport.dtypes import (
-    EncoderDtype,
-    convert_encoder_input,
-    to_bfloat16_bits,
-    to_float16,
-)
+from mmgate.transport.dtypes import convert_encoder_input
 from mmgate.transport.inline import to_tensor_data, wire_dtype_name
-from mmgate.transport.placement import (
-    BufferTarget,
-    Convert,
-    ShmTarget,
-    identity,
-    new_bytes,
-)
+from mmgate.transport.placement import ShmTarget
 from mmgate.transport.policy import INLINE_FLOAT32, WirePlan
 from mmgate.transport.shm import ShmLease
 from mmgate.types import (
@@ -75,7 +72,6 @@ from mmgate.types import (
     ConstraintKind,
     EncoderBatch,
     MediaRef,
-    Modality,
     PendingTensor,
     PreparedRequest,
     RowTarget,
@@ -89,7 +85,6 @@ __all__ = ["ENGINE", "PREFILL_KV_TRANSFER_PARAMS", "EncodedRequest", "build_deco
 #: the wire field of the encoder input; a family whose encoder input has another name sends it
 #: here too and names it in ``encoder_input_key`` (``smg_grpc_servicer/vllm/mm_keys.py``)
 DEFAULT_PRIMARY_KEY = "pixel_values"
-_MODALITY = {Modality.IMAGE: common_pb2.IMAGE, Modality.VIDEO: common_pb2.VIDEO, Modality.AUDIO: common_pb2.AUDIO}
 #: the prefill leg's ``kv_transfer_params_json``: SMG's ``NIXL_PREFILL_KV_PARAMS`` (``request_execution.rs``);
 #: the engine keeps the prompt's KV for a remote decode and answers the handoff params in its Complete
 PREFILL_KV_TRANSFER_PARAMS = json.dumps({"do_remote_decode": True, "do_remote_prefill": False},
@@ -97,28 +92,13 @@ PREFILL_KV_TRANSFER_PARAMS = json.dumps({"do_remote_decode": True, "do_remote_pr
 
 
 def _sent(name: str, path: str, nbytes: int) -> None:
-    """Count one tensor placed for the engine (``smg_mm_tensors_total{runtime,path}`` and bytes) and report
-    it to the request's ``--log-mm-timing`` record."""
-    metrics.tensor_sent(ENGINE, path, nbytes)
-    timing_log.tensor_sent(ENGINE, name, path, nbytes)
+    count_sent(ENGINE, name, path, nbytes)
 
 
 def _tensor_data(array: np.ndarray, dtype_name: str, wire: WirePlan,
                  lease: ShmLease | None, key: str = DEFAULT_PRIMARY_KEY) -> vllm_engine_pb2.TensorData:
     """Inline or shared-memory ``TensorData`` for tensor ``key`` (shm failures fall back to inline)."""
-    if lease is not None and wire.use_shm(array.nbytes):
-        try:
-            name = shm.write_segment(array)
-        except shm.ShmError:
-            metrics.SHM_WRITE_FAILURES.labels(ENGINE).inc()
-        else:
-            lease.add(name)
-            _sent(key, "shm", array.nbytes)
-            handle = common_pb2.ShmHandle(name=name, offset=0, nbytes=array.nbytes, owner_id=f"mmgate-{os.getpid()}")
-            return vllm_engine_pb2.TensorData(shape=list(array.shape), dtype=dtype_name or wire_dtype_name(array),
-                                              shm=handle)
-    _sent(key, "inline", array.nbytes)
-    return to_tensor_data(array, dtype_name or None)
+    return tensor_data(array, dtype_name, wire, lease, key, engine=ENGINE, message=vllm_engine_pb2.TensorData)
 
 
 def build_mm_inputs(batch: EncoderBatch, wire: WirePlan = INLINE_FLOAT32,
@@ -136,7 +116,7 @@ def build_mm_inputs(batch: EncoderBatch, wire: WirePlan = INLINE_FLOAT32,
         batched_keys=list(batch.batched_keys),
         flat_keys=dict(batch.flat_keys),
         keep_on_cpu_keys=list(batch.keep_on_cpu_keys),
-        modality=_MODALITY[batch.modality],
+        modality=PROTO_MODALITY[batch.modality],
     )
     primary_key = batch.primary_key
     if primary_key != DEFAULT_PRIMARY_KEY:
@@ -154,34 +134,15 @@ def build_mm_inputs(batch: EncoderBatch, wire: WirePlan = INLINE_FLOAT32,
     return mm
 
 
-def _wire_form(dtype: np.dtype, encoder_dtype: EncoderDtype) -> tuple[str, int, Convert]:
-    """(wire dtype name, bytes per value, block conversion) of a pending primary tensor."""
-    if dtype != np.float32 or encoder_dtype is EncoderDtype.FLOAT32:
-        return wire_dtype_name(np.empty(0, dtype=dtype)), dtype.itemsize, identity
-    if encoder_dtype is EncoderDtype.BFLOAT16:
-        return "bfloat16", 2, to_bfloat16_bits
-    return "float16", 2, to_float16
-
-
-@dataclass(frozen=True, slots=True)
-class _InlineTail:
-    """A tensor whose inline bytes go at the end of the serialized request."""
-
-    nbytes: int
-    array: np.ndarray | None = None  # computed values (one copy into the request)
-    pending: PendingTensor | None = None  # computed straight into the request
-    width: int = 0
-    itemsize: int = 0
-    convert: Convert = identity
-
-
 def _place_pending(pending: PendingTensor, wire: WirePlan, lease: ShmLease | None, first: bool,
                    targets: list[tuple[PendingTensor, RowTarget]],
-                   key: str = DEFAULT_PRIMARY_KEY) -> tuple[vllm_engine_pb2.TensorData, _InlineTail | None]:
+                   key: str = DEFAULT_PRIMARY_KEY) -> tuple[vllm_engine_pb2.TensorData, Tail | None]:
     """The ``TensorData`` of a pending primary tensor: a new shm segment (its target recorded in
     ``targets``) when the plan allows, else inline at the end of the request (first batch only)."""
     rows, width = pending.rows, pending.width
-    dtype_name, itemsize, convert = _wire_form(pending.dtype, wire.encoder_dtype)
+    # raw_pixels: uint8 pixels travel for a device-normalizing worker (``vllm/servicer.py``
+    # ``_build_preprocessed_mm_inputs`` decodes any ``TensorData`` dtype; ``mm_device_do_normalize``)
+    dtype_name, itemsize, convert = wire_form(pending.dtype, wire.encoder_dtype, raw_pixels=True)
     nbytes = rows * width * itemsize
     shape = list(pending.shape)
     if lease is not None and wire.use_shm(nbytes):
@@ -193,18 +154,16 @@ def _place_pending(pending: PendingTensor, wire: WirePlan, lease: ShmLease | Non
             lease.add(name)
             targets.append((pending, ShmTarget(name, width, itemsize, convert)))
             _sent(key, "shm", nbytes)
-            handle = common_pb2.ShmHandle(name=name, offset=0, nbytes=nbytes, owner_id=f"mmgate-{os.getpid()}")
-            return vllm_engine_pb2.TensorData(shape=shape, dtype=dtype_name, shm=handle), None
+            return vllm_engine_pb2.TensorData(shape=shape, dtype=dtype_name, shm=shm_handle(name, nbytes)), None
     assert first, "the pipeline defers only the first batch's pixels"
     _sent(key, "inline", nbytes)
     return (vllm_engine_pb2.TensorData(shape=shape, dtype=dtype_name),
-            _InlineTail(nbytes=nbytes, pending=pending, width=width, itemsize=itemsize, convert=convert))
+            Tail(nbytes=nbytes, pending=pending, width=width, itemsize=itemsize, convert=convert))
 
 
 #: integer fields of ``vllm_engine.proto`` ``SamplingParams`` and the range their wire type carries
-_UINT32, _INT32 = (0, 2**32 - 1), (-(2**31), 2**31 - 1)
-_WIRE_INT_RANGES = {"max_tokens": _UINT32, "top_k": _UINT32, "seed": _INT32,
-                    "n": _UINT32, "min_tokens": _UINT32, "logprobs": _INT32}
+_WIRE_INT_RANGES = {"max_tokens": UINT32, "top_k": UINT32, "seed": INT32,
+                    "n": UINT32, "min_tokens": UINT32, "logprobs": INT32}
 
 
 def sampling_message(s: SamplingParams) -> vllm_engine_pb2.SamplingParams:
@@ -223,14 +182,9 @@ def sampling_message(s: SamplingParams) -> vllm_engine_pb2.SamplingParams:
         GatewayError(INVALID_REQUEST): an integer field outside its wire range.
     """
     top_k = max(s.top_k, 0)
-    for name, value in (("max_tokens", s.max_tokens), ("top_k", top_k), ("seed", s.seed)):
-        low, high = _WIRE_INT_RANGES[name]
-        if value is not None and not low <= value <= high:
-            raise GatewayError(ErrorCode.INVALID_REQUEST, f"{name} must be within [{low}, {high}]", name)
-    for name, value in (("n", s.n), ("min_tokens", s.min_tokens), ("logprobs", s.logprobs)):
-        low, high = _WIRE_INT_RANGES[name]
-        if value is not None and not low <= value <= high:
-            raise GatewayError(ErrorCode.INVALID_REQUEST, f"{name} must be within [{low}, {high}]", name)
+    for name, value in (("max_tokens", s.max_tokens), ("top_k", top_k), ("seed", s.seed), ("n", s.n),
+                        ("min_tokens", s.min_tokens), ("logprobs", s.logprobs)):
+        check_range(name, value, _WIRE_INT_RANGES[name])
     sampling = vllm_engine_pb2.SamplingParams(
         top_p=s.top_p, top_k=top_k, frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
         repetition_penalty=s.repetition_penalty, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
@@ -292,11 +246,11 @@ def _base_message(req: PreparedRequest) -> vllm_engine_pb2.GenerateRequest:
 
 def _build(req: PreparedRequest, wire: WirePlan, lease: ShmLease | None, defer_primary: bool,
            targets: list[tuple[PendingTensor, RowTarget]] | None = None, prefill_kv_transfer_params: str | None = None,
-           ) -> tuple[vllm_engine_pb2.GenerateRequest, _InlineTail | None]:
+           ) -> tuple[vllm_engine_pb2.GenerateRequest, Tail | None]:
     msg = _base_message(req)
     if prefill_kv_transfer_params is not None:
         _prefill_leg(msg, prefill_kv_transfer_params)
-    tail: _InlineTail | None = None
+    tail: Tail | None = None
     for i, batch in enumerate(req.batches):
         key = batch.primary_key
         primary = batch.tensors.get(key)
@@ -320,7 +274,7 @@ def _build(req: PreparedRequest, wire: WirePlan, lease: ShmLease | None, defer_p
                     # Sent inline: serialize everything else now, append these bytes once at the end.
                     mm.pixel_values.CopyFrom(vllm_engine_pb2.TensorData(
                         shape=list(array.shape), dtype=dtype_name or wire_dtype_name(array)))
-                    tail = _InlineTail(nbytes=array.nbytes, array=np.ascontiguousarray(array))
+                    tail = Tail(nbytes=array.nbytes, array=np.ascontiguousarray(array))
                     _sent(key, "inline", array.nbytes)
         else:
             mm = build_mm_inputs(batch, wire, lease)
@@ -351,7 +305,7 @@ def identity_mm_inputs(batch: EncoderBatch, grids: bool = True) -> vllm_engine_p
         im_token_id=batch.placeholder_token_id,
         mm_placeholders=[vllm_engine_pb2.PlaceholderRange(offset=r.offset, length=r.length) for r in batch.placeholders],
         mm_hashes=list(batch.mm_hashes),
-        modality=_MODALITY[batch.modality],
+        modality=PROTO_MODALITY[batch.modality],
     )
     if not grids:
         return mm
@@ -384,27 +338,6 @@ def build_decode_request(req: PreparedRequest, kv_transfer_params: str | None,
     return msg
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-# Field tags (field number << 3 | wire type 2): GenerateRequest.mm_inputs = 7,
-# MultimodalInputs.pixel_values = 2, TensorData.inline = 1.
-_TAG_MM_INPUTS, _TAG_PIXEL_VALUES, _TAG_INLINE = b"\x3a", b"\x12", b"\x0a"
-
-
-def _inline_record_prefix(nbytes: int) -> bytes:
-    """``mm_inputs { pixel_values { inline: <nbytes bytes> } }`` up to the payload."""
-    l2 = 1 + len(_varint(nbytes)) + nbytes
-    l3 = 1 + len(_varint(l2)) + l2
-    return b"".join((_TAG_MM_INPUTS, _varint(l3), _TAG_PIXEL_VALUES, _varint(l2), _TAG_INLINE, _varint(nbytes)))
-
-
 def encode_generate_request(req: PreparedRequest, wire: WirePlan = INLINE_FLOAT32, lease: ShmLease | None = None,
                             prefill_kv_transfer_params: str | None = None) -> EncodedRequest:
     """The serialized ``GenerateRequest``, with the large inline tensor written exactly once.
@@ -427,17 +360,7 @@ def encode_generate_request(req: PreparedRequest, wire: WirePlan = INLINE_FLOAT3
     targets: list[tuple[PendingTensor, RowTarget]] = []
     msg, tail = _build(req, wire, lease, defer_primary=True, targets=targets,
                        prefill_kv_transfer_params=prefill_kv_transfer_params)
-    head = msg.SerializeToString()
-    if tail is None:
-        return EncodedRequest(head, tuple(targets))
-    prefix = head + _inline_record_prefix(tail.nbytes)
-    if tail.array is not None:
-        return EncodedRequest(b"".join((prefix, tail.array.reshape(-1).view(np.uint8).data)), tuple(targets))
-    assert tail.pending is not None
-    data, view = new_bytes(len(prefix) + tail.nbytes)
-    view[:len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
-    target = BufferTarget(view[len(prefix):], tail.width, tail.itemsize, tail.convert, owner=data)
-    return EncodedRequest(data, (*targets, (tail.pending, target)))
+    return join_tail(msg.SerializeToString(), tail, VLLM_PIXEL_TAGS, targets)
 
 
 def build_media_ref_request(req: PreparedRequest, refs: Sequence[MediaRef]) -> vllm_engine_pb2.GenerateRequest:
@@ -450,7 +373,7 @@ def build_media_ref_request(req: PreparedRequest, refs: Sequence[MediaRef]) -> v
     """
     assert not req.batches, "worker-side requests carry references, not tensors"
     msg = build_generate_request(req)
-    msg.media_refs.items.extend(vllm_engine_pb2.MediaRef(modality=_MODALITY[r.modality], url=r.url) for r in refs)
+    msg.media_refs.items.extend(vllm_engine_pb2.MediaRef(modality=PROTO_MODALITY[r.modality], url=r.url) for r in refs)
     return msg
 
 

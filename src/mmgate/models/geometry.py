@@ -95,17 +95,6 @@ def resolve_backend(requested: ImageBackend) -> ImageBackend:
     return ImageBackend.TORCHVISION if requested is ImageBackend.AUTO else requested
 
 
-def video_backend_for(requested: ImageBackend, resolved: ImageBackend) -> ImageBackend:
-    """The video path's backend: always ``torchvision``.
-
-    The reference video processors (``Qwen2VLVideoProcessor`` and kin) are torchvision-only,
-    whatever image backend the images follow, and their resize needs no torch here
-    (:mod:`mmgate.media.tv_resize`).  The arguments are kept for the callers' signature.
-    """
-    del requested, resolved
-    return ImageBackend.TORCHVISION
-
-
 #: transformers ``pil_torch_interpolation_mapping`` for the resamples torch's uint8 antialiased kernel runs
 _TV_MODES: dict[int, Literal["bilinear", "bicubic"]] = {RESAMPLE_BILINEAR: "bilinear", RESAMPLE_BICUBIC: "bicubic"}
 #: resamples the torch-free kernel does not cover (no shipped bundle uses one): run by torch itself

@@ -261,7 +261,7 @@ class QwenVLFamily:
                     video_backend: ImageBackend | None = None) -> QwenVLFamily:
         """Read every parameter from the bundle; ``backend`` must be resolved (not ``auto``).
 
-        ``video_backend``: the video path's (``geometry.video_backend_for``); None: torchvision
+        ``video_backend``: the video path's (:func:`mmgate.models.registry.load_family`); None: torchvision
         when it imports, as the reference video processors.
         """
         cfg = bundle.preprocessor_config or dict(bundle.processor_config.get("image_processor") or {})

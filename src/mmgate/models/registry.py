@@ -122,7 +122,9 @@ def check_servable(bundle: ModelBundle) -> None:
 def load_family(bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageBackend,
                 video_backend: ImageBackend | None = None) -> Family | None:
     """The family serving ``bundle``, or None for a text-only model (``video_backend``: the video
-    path's backend, ``geometry.video_backend_for``).
+    path's backend; the gateway passes ``torchvision``: the reference video processors,
+    ``Qwen2VLVideoProcessor`` and kin, are torchvision-only whatever backend the images follow, and
+    their resize needs no torch here, :mod:`mmgate.media.tv_resize`).
 
     Raises:
         GatewayError(MODEL_NOT_FOUND): a media model whose ``model_type`` no family serves
