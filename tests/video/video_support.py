@@ -7,8 +7,16 @@
 * ``reference`` runs the transformers 5.24 path on a file: its own pyav loader
   ``load_video(path, backend="pyav")`` (torchcodec is not installed here; the
   video processor's URL path would pick it), then ``AutoProcessor`` with the
-  decoded frames and their ``VideoMetadata``.
-* ``prepare`` runs mmgate's pipeline in process on ``data:`` URLs.
+  decoded frames and their ``VideoMetadata``; given ``indices``, the processor
+  gets only those frames, with ``frames_indices`` in the metadata and no
+  sampling of its own, as a vLLM worker hands them over after its video loader
+  sampled them (vLLM 0.33 ``vllm/multimodal/video.py`` ``VideoLoader.create_hf_metadata``).
+* ``vllm_video_kwargs`` are the video kwargs that make the transformers processor
+  sample as a vLLM worker does (Qwen2-VL / Qwen2.5-VL: ``do_sample_frames=True``
+  at vLLM's loader rate, ``Qwen2VLVideoBackend.load_bytes`` ``fps=2``; Qwen3-VL:
+  none, its default is vLLM's).
+* ``prepare`` runs mmgate's pipeline in process on ``data:`` URLs, under either
+  ``--video-frame-sampling``.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import asyncio
 import base64
 import copy
 import json
+import math
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,7 +43,7 @@ from mmgate.media.fetch import MediaFetcher
 from mmgate.models.bundle import load_bundle
 from mmgate.models.registry import load_family
 from mmgate.pipeline import ModelRuntime, Pipeline
-from mmgate.settings import ImageBackend, Settings, VideoSettings
+from mmgate.settings import FrameSampling, ImageBackend, Settings, VideoSettings
 from mmgate.types import PreparedRequest
 from tests.conftest import bundle_dir
 
@@ -42,6 +51,8 @@ QWEN2 = "Qwen/Qwen2-VL-2B-Instruct"
 QWEN2_5 = "Qwen/Qwen2.5-VL-7B-Instruct"
 QWEN3 = "Qwen/Qwen3-VL-2B-Instruct"
 MODELS = (QWEN2, QWEN2_5, QWEN3)
+#: vLLM 0.33 ``vllm/multimodal/video.py`` ``Qwen2VLVideoBackend.load_bytes``: ``fps=2``
+VLLM_FPS = 2
 
 
 @dataclass(frozen=True)
@@ -137,41 +148,84 @@ def load(path: Path) -> tuple[np.ndarray, Any]:
     return load_video(str(path), backend="pyav")
 
 
+def vllm_qwen2_indices(total_frames: int, source_fps: float, fps: float = VLLM_FPS, temporal_patch_size: int = 2,
+                       min_frames: int = 4, max_frames: int = 768) -> list[int]:
+    """The frames a vLLM worker samples from a Qwen2-VL / Qwen2.5-VL clip: a port of vLLM 0.33
+    ``vllm/multimodal/video.py`` ``Qwen2VLVideoBackend.compute_frames_index_to_sample`` (its defaults:
+    ``temporal_patch_size`` 2, ``min_frames`` 4, ``max_frames`` 768 from the sampling kwargs; ``fps`` the
+    target's, 2 from ``load_bytes``).  Same operations in the same order, the index step by torch itself
+    as there; raises ``ZeroDivisionError`` where vLLM does (``n`` floored to 0)."""
+    import torch
+
+    if source_fps <= 0:
+        raise ValueError("needs a known source fps")
+    cap = math.floor(min(max_frames, total_frames) / temporal_patch_size) * temporal_patch_size
+    n = total_frames / source_fps * fps
+    n = min(max(n, min_frames), cap, total_frames)
+    n = math.floor(n / temporal_patch_size) * temporal_patch_size
+    steps = torch.arange(0, total_frames, total_frames / n).int()
+    return [int(i) for i in torch.clamp(steps, max=total_frames - 1).tolist()]
+
+
+def vllm_video_kwargs(model: str) -> dict[str, Any]:
+    """The video kwargs under which the transformers processor samples ``model``'s clips as a vLLM worker."""
+    if type(processor(model).video_processor).__name__ == "Qwen2VLVideoProcessor":
+        return {"do_sample_frames": True, "fps": VLLM_FPS}
+    return {}
+
+
 def reference(model: str, path: Path, text: str = "What happens?", images: list | None = None,
-              video_kwargs: dict | None = None, image_kwargs: dict | None = None) -> Reference:
-    """The transformers processor on the frames its pyav loader decodes (video first, then images)."""
+              video_kwargs: dict | None = None, image_kwargs: dict | None = None,
+              indices: list[int] | None = None, flat: dict | None = None) -> Reference:
+    """The transformers processor on the frames its pyav loader decodes (video first, then images);
+    with ``indices``, on those frames only (see the module docstring).  ``flat``: kwargs passed to the
+    processor call itself, as a vLLM worker passes a request's ``mm_processor_kwargs`` (the processor
+    hands each to every modality that declares it)."""
     proc = processor(model)
     frames, meta = load(path)
+    vk = {"cap_pixels_per_frame": False, **(video_kwargs or {})}
+    given, given_meta = frames, meta
+    if indices is not None:
+        given = frames[indices]
+        given_meta = copy.deepcopy(meta)
+        given_meta.frames_indices = list(indices)
+        vk["do_sample_frames"] = False
     content = [{"type": "video"}] + [{"type": "image"} for _ in images or ()] + [{"type": "text", "text": text}]
     prompt = proc.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                       tokenize=False)
-    vk = {"cap_pixels_per_frame": False, **(video_kwargs or {})}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        sampled = proc.video_processor(videos=[frames], video_metadata=[copy.deepcopy(meta)], return_metadata=True,
-                                       return_tensors="np", **vk)
-        out = proc(text=[prompt], videos=[frames], video_metadata=[copy.deepcopy(meta)], images=images,
-                   return_tensors="np", videos_kwargs=vk, images_kwargs=image_kwargs or {})
+        sampled = proc.video_processor(videos=[given], video_metadata=[copy.deepcopy(given_meta)],
+                                       return_metadata=True, return_tensors="np", **{**vk, **(flat or {})})
+        # Flat kwargs go alone: next to a videos_kwargs dict the processor would drop some of them.
+        by_modality = {"videos_kwargs": vk, "images_kwargs": image_kwargs or {}} if flat is None else {**vk, **flat}
+        out = proc(text=[prompt], videos=[given], video_metadata=[copy.deepcopy(given_meta)], images=images,
+                   return_tensors="np", **by_modality)
+    kept = sampled["video_metadata"][0].frames_indices
     return Reference(input_ids=[int(t) for t in out["input_ids"][0]], frames=frames,
-                     indices=[int(i) for i in sampled["video_metadata"][0].frames_indices], fps=float(meta.fps),
+                     indices=[int(i) for i in (range(len(frames)) if kept is None else kept)], fps=float(meta.fps),
                      out=dict(out))
 
 
 @cache
-def pipeline(model: str) -> Pipeline:
+def pipeline(model: str, sampling: FrameSampling = FrameSampling.VLLM) -> Pipeline:
     bundle = load_bundle(bundle_dir(model), name=model)
     tokenizer = load_tokenizer(bundle)
-    family = load_family(bundle, tokenizer, ImageBackend.TORCHVISION)
+    family = load_family(bundle, tokenizer, ImageBackend.TORCHVISION, video_sampling=sampling)
     runtime = ModelRuntime(bundle=bundle, tokenizer=tokenizer, family=family, served_name=model)
     # The parity tests compare with the reference's pyav loader, which keeps the stored orientation.
-    settings = Settings(model=model, video=VideoSettings(apply_rotation=False))
+    settings = Settings(model=model, video=VideoSettings(apply_rotation=False, frame_sampling=sampling))
     return Pipeline(runtime, settings, MediaFetcher(settings.fetch), ThreadPoolExecutor(2))
 
 
-def prepare(model: str, parts: list[dict], text: str = "What happens?") -> PreparedRequest:
-    """mmgate's pipeline on one user message: ``parts`` then the text."""
-    body = {"model": model, "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]}
-    return asyncio.run(pipeline(model).prepare(parse_chat_request(json.dumps(body).encode())))
+def prepare(model: str, parts: list[dict], text: str = "What happens?",
+            sampling: FrameSampling = FrameSampling.VLLM, kwargs: dict | None = None) -> PreparedRequest:
+    """mmgate's pipeline on one user message: ``parts`` then the text (``kwargs``: ``mm_processor_kwargs``)."""
+    body: dict[str, Any] = {"model": model,
+                            "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]}
+    if kwargs:
+        body["mm_processor_kwargs"] = kwargs
+    return asyncio.run(pipeline(model, sampling).prepare(parse_chat_request(json.dumps(body).encode())))
 
 
 def video_part(path: Path, **hints: Any) -> dict:

@@ -64,7 +64,7 @@ from mmgate.models.bundle import ModelBundle
 from mmgate.models.family import ImageOnlyFamily
 from mmgate.models.image_rows import RowNormalizer
 from mmgate.models.processor_options import check_option_types, option_error
-from mmgate.settings import ImageBackend
+from mmgate.settings import FrameSampling, ImageBackend
 from mmgate.types import (
     DecodedImage,
     ItemHints,
@@ -381,7 +381,8 @@ class Gemma3Family(ImageOnlyFamily[Gemma3Images]):
 
     @classmethod
     def from_bundle(cls, bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageBackend,
-                    video_backend: ImageBackend | None = None) -> Gemma3Family:
+                    video_backend: ImageBackend | None = None,
+                    video_sampling: FrameSampling = FrameSampling.VLLM) -> Gemma3Family:
         """Read every parameter from the bundle (``video_backend`` is unused: no video).
 
         Raises:
