@@ -176,13 +176,14 @@ def vllm_video_kwargs(model: str) -> dict[str, Any]:
 
 def reference(model: str, path: Path, text: str = "What happens?", images: list | None = None,
               video_kwargs: dict | None = None, image_kwargs: dict | None = None,
-              indices: list[int] | None = None, flat: dict | None = None) -> Reference:
+              indices: list[int] | None = None, flat: dict | None = None,
+              loaded: tuple[np.ndarray, Any] | None = None) -> Reference:
     """The transformers processor on the frames its pyav loader decodes (video first, then images);
     with ``indices``, on those frames only (see the module docstring).  ``flat``: kwargs passed to the
     processor call itself, as a vLLM worker passes a request's ``mm_processor_kwargs`` (the processor
-    hands each to every modality that declares it)."""
+    hands each to every modality that declares it).  ``loaded``: what ``load(path)`` returned already."""
     proc = processor(model)
-    frames, meta = load(path)
+    frames, meta = loaded if loaded is not None else load(path)
     vk = {"cap_pixels_per_frame": False, **(video_kwargs or {})}
     given, given_meta = frames, meta
     if indices is not None:
@@ -195,16 +196,14 @@ def reference(model: str, path: Path, text: str = "What happens?", images: list 
                                       tokenize=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        sampled = proc.video_processor(videos=[given], video_metadata=[copy.deepcopy(given_meta)],
-                                       return_metadata=True, return_tensors="np", **{**vk, **(flat or {})})
         # Flat kwargs go alone: next to a videos_kwargs dict the processor would drop some of them.
         by_modality = {"videos_kwargs": vk, "images_kwargs": image_kwargs or {}} if flat is None else {**vk, **flat}
-        out = proc(text=[prompt], videos=[given], video_metadata=[copy.deepcopy(given_meta)], images=images,
-                   return_tensors="np", **by_modality)
-    kept = sampled["video_metadata"][0].frames_indices
+        out = dict(proc(text=[prompt], videos=[given], video_metadata=[copy.deepcopy(given_meta)], images=images,
+                        return_tensors="np", return_metadata=True, **by_modality))  # metadata: the frames kept
+    kept = out.pop("video_metadata")[0].frames_indices
     return Reference(input_ids=[int(t) for t in out["input_ids"][0]], frames=frames,
                      indices=[int(i) for i in (range(len(frames)) if kept is None else kept)], fps=float(meta.fps),
-                     out=dict(out))
+                     out=out)
 
 
 @cache
