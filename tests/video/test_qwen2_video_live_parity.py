@@ -6,7 +6,7 @@ ones, 1..400 frames (log-uniform), 1..60 fps, odd sizes 17..111 px; the seed is 
 pinned with ``MMGATE_PARITY_SEED``.  For each clip and each of Qwen2-VL and Qwen2.5-VL:
 
 * ``--video-frame-sampling vllm`` (the default): the indices mmgate samples equal the port of vLLM's
-  ``Qwen2VLVideoBackend.compute_frames_index_to_sample`` (``video_support.vllm_qwen2_indices``) and
+  ``Qwen2VLVideoBackend.compute_frames_index_to_sample`` (``tests.support.vllm_video.vllm_qwen2_indices``) and
   ``Qwen2VLVideoProcessor.sample_frames(metadata, fps=2)``; the ids, ``video_grid_thw``,
   ``second_per_grid_ts`` and ``pixel_values`` equal the processor called with
   ``do_sample_frames=True, fps=2``.  Where that arange yields an index equal to the frame count (the
@@ -31,10 +31,10 @@ import pytest
 
 from mmgate.settings import FrameSampling
 from mmgate.types import ItemHints, VideoMeta
+from tests.support.vllm_video import VLLM_FPS, vllm_qwen2_indices
 from tests.video.video_support import (
     QWEN2,
     QWEN2_5,
-    VLLM_FPS,
     ClipSpec,
     load,
     make_clip,
@@ -43,7 +43,6 @@ from tests.video.video_support import (
     processor,
     reference,
     video_part,
-    vllm_qwen2_indices,
 )
 
 SEED = int(os.environ.get("MMGATE_PARITY_SEED") or secrets.randbits(32))

@@ -11,7 +11,7 @@ is written out here: an index equal to the frame count (transformers then fails
 with ``IndexError``) is clamped to the last frame, as vLLM does; a clip too short
 to sample (``n`` floors to 0: the reference divides by zero) keeps every frame.
 The default Qwen2/2.5-VL sampling also equals the port of vLLM's
-``Qwen2VLVideoBackend.compute_frames_index_to_sample`` (``video_support``).
+``Qwen2VLVideoBackend.compute_frames_index_to_sample`` (:mod:`tests.support.vllm_video`).
 """
 
 from __future__ import annotations
@@ -26,15 +26,14 @@ from mmgate.errors import GatewayError
 from mmgate.models.qwen_vl_frames import QWEN3_VIDEO, sample_indices, torch_arange_int
 from mmgate.settings import FrameSampling
 from mmgate.types import ItemHints, VideoMeta
+from tests.support.vllm_video import VLLM_FPS, vllm_qwen2_indices
 from tests.video.video_support import (
     MODELS,
     QWEN2,
     QWEN2_5,
     QWEN3,
-    VLLM_FPS,
     pipeline,
     processor,
-    vllm_qwen2_indices,
 )
 
 TOTALS = (*range(1, 122), 149, 150, 151, 199, 240, 241, 300, 301, 399, 400, 599, 600, 1799, 1800, 7201, 23_999)

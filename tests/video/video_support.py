@@ -12,9 +12,7 @@
   sampling of its own, as a vLLM worker hands them over after its video loader
   sampled them (vLLM 0.33 ``vllm/multimodal/video.py`` ``VideoLoader.create_hf_metadata``).
 * ``vllm_video_kwargs`` are the video kwargs that make the transformers processor
-  sample as a vLLM worker does (Qwen2-VL / Qwen2.5-VL: ``do_sample_frames=True``
-  at vLLM's loader rate, ``Qwen2VLVideoBackend.load_bytes`` ``fps=2``; Qwen3-VL:
-  none, its default is vLLM's).
+  sample as a vLLM worker does (:mod:`tests.support.vllm_video`).
 * ``prepare`` runs mmgate's pipeline in process on ``data:`` URLs, under either
   ``--video-frame-sampling``.
 """
@@ -25,7 +23,6 @@ import asyncio
 import base64
 import copy
 import json
-import math
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -46,13 +43,12 @@ from mmgate.pipeline import ModelRuntime, Pipeline
 from mmgate.settings import FrameSampling, ImageBackend, Settings, VideoSettings
 from mmgate.types import PreparedRequest
 from tests.conftest import bundle_dir
+from tests.support.vllm_video import vllm_sampling_kwargs
 
 QWEN2 = "Qwen/Qwen2-VL-2B-Instruct"
 QWEN2_5 = "Qwen/Qwen2.5-VL-7B-Instruct"
 QWEN3 = "Qwen/Qwen3-VL-2B-Instruct"
 MODELS = (QWEN2, QWEN2_5, QWEN3)
-#: vLLM 0.33 ``vllm/multimodal/video.py`` ``Qwen2VLVideoBackend.load_bytes``: ``fps=2``
-VLLM_FPS = 2
 
 
 @dataclass(frozen=True)
@@ -148,30 +144,9 @@ def load(path: Path) -> tuple[np.ndarray, Any]:
     return load_video(str(path), backend="pyav")
 
 
-def vllm_qwen2_indices(total_frames: int, source_fps: float, fps: float = VLLM_FPS, temporal_patch_size: int = 2,
-                       min_frames: int = 4, max_frames: int = 768) -> list[int]:
-    """The frames a vLLM worker samples from a Qwen2-VL / Qwen2.5-VL clip: a port of vLLM 0.33
-    ``vllm/multimodal/video.py`` ``Qwen2VLVideoBackend.compute_frames_index_to_sample`` (its defaults:
-    ``temporal_patch_size`` 2, ``min_frames`` 4, ``max_frames`` 768 from the sampling kwargs; ``fps`` the
-    target's, 2 from ``load_bytes``).  Same operations in the same order, the index step by torch itself
-    as there; raises ``ZeroDivisionError`` where vLLM does (``n`` floored to 0)."""
-    import torch
-
-    if source_fps <= 0:
-        raise ValueError("needs a known source fps")
-    cap = math.floor(min(max_frames, total_frames) / temporal_patch_size) * temporal_patch_size
-    n = total_frames / source_fps * fps
-    n = min(max(n, min_frames), cap, total_frames)
-    n = math.floor(n / temporal_patch_size) * temporal_patch_size
-    steps = torch.arange(0, total_frames, total_frames / n).int()
-    return [int(i) for i in torch.clamp(steps, max=total_frames - 1).tolist()]
-
-
 def vllm_video_kwargs(model: str) -> dict[str, Any]:
-    """The video kwargs under which the transformers processor samples ``model``'s clips as a vLLM worker."""
-    if type(processor(model).video_processor).__name__ == "Qwen2VLVideoProcessor":
-        return {"do_sample_frames": True, "fps": VLLM_FPS}
-    return {}
+    """:func:`tests.support.vllm_video.vllm_sampling_kwargs` of ``model``'s processor."""
+    return vllm_sampling_kwargs(processor(model))
 
 
 def reference(model: str, path: Path, text: str = "What happens?", images: list | None = None,
