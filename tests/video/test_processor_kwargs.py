@@ -24,11 +24,19 @@ import pytest
 from PIL import Image
 
 from mmgate.errors import ErrorCode, GatewayError
-from mmgate.launch import free_port
-from mmgate.settings import FetchSettings, FrameSampling, Settings
-from tests.conftest import bundle_dir
-from tests.support.servers import gateway_in_thread, media_origin
-from tests.video.video_support import QWEN2, QWEN2_5, QWEN3, prepare, processor, reference, video_part
+from mmgate.settings import FrameSampling
+from tests.support.servers import media_origin
+from tests.video.video_support import (
+    QWEN2,
+    QWEN2_5,
+    QWEN3,
+    assert_same,
+    loopback_gateway,
+    prepare,
+    processor,
+    reference,
+    video_part,
+)
 
 VLLM, TRANSFORMERS = FrameSampling.VLLM, FrameSampling.TRANSFORMERS
 
@@ -41,18 +49,6 @@ def _png(h: int, w: int) -> bytes:
 
 def _image_part(png: bytes) -> dict:
     return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}}
-
-
-def _assert_same(prepared, ref) -> None:  # noqa: ANN001 - PreparedRequest, video_support.Reference
-    assert prepared.input_ids == tuple(ref.input_ids)
-    for batch in prepared.batches:
-        video = "video_grid_thw" in batch.tensors
-        assert np.array_equal(batch.tensors["pixel_values"], ref.out["pixel_values_videos" if video else "pixel_values"])
-        grid = "video_grid_thw" if video else "image_grid_thw"
-        assert np.array_equal(batch.tensors[grid], ref.out[grid])
-        if "second_per_grid_ts" in batch.tensors:
-            assert np.array_equal(batch.tensors["second_per_grid_ts"],
-                                  np.asarray(ref.out["second_per_grid_ts"], dtype=np.float32))
 
 
 #: (model, setting, request kwargs, the reference call's flat kwargs, frames the reference keeps of f60_30fps)
@@ -77,7 +73,7 @@ def test_sampling_kwargs_sample_as_the_processor_called_with_them(model: str, sa
     path = clips["f60_30fps"]
     ref = reference(model, path, flat={"cap_pixels_per_frame": False, **flat})
     assert len(ref.indices) == frames
-    _assert_same(prepare(model, [video_part(path)], sampling=sampling, kwargs=kwargs), ref)
+    assert_same(prepare(model, [video_part(path)], sampling=sampling, kwargs=kwargs), ref)
 
 
 @pytest.mark.parametrize(("model", "sampling", "bounds", "flat", "clip"), [
@@ -93,7 +89,7 @@ def test_pixel_bounds_apply_to_images_and_videos_as_the_processor_hands_them_to_
     default = reference(model, path, images=[Image.open(io.BytesIO(png))], flat={"cap_pixels_per_frame": False, **flat})
     assert ref.out["image_grid_thw"].tolist() != default.out["image_grid_thw"].tolist()
     assert ref.out["video_grid_thw"].tolist() != default.out["video_grid_thw"].tolist()
-    _assert_same(prepare(model, [video_part(path), _image_part(png)], sampling=sampling, kwargs=bounds), ref)
+    assert_same(prepare(model, [video_part(path), _image_part(png)], sampling=sampling, kwargs=bounds), ref)
 
 
 def test_an_image_only_request_takes_the_video_kwargs_and_ignores_them() -> None:
@@ -149,9 +145,7 @@ def test_qwen3_still_takes_no_mm_processor_kwargs(clips: dict[str, Path]) -> Non
 
 @pytest.fixture(scope="module")
 def qwen2_5_gateway() -> Iterator[str]:
-    settings = Settings(model=str(bundle_dir(QWEN2_5)), worker_urls=(f"grpc://127.0.0.1:{free_port()}",),
-                        fetch=FetchSettings(allow_private_hosts=True))
-    with gateway_in_thread(settings) as base:
+    with loopback_gateway(QWEN2_5) as base:
         yield base
 
 

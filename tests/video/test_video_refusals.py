@@ -27,7 +27,7 @@ from mmgate.pipeline import Pipeline
 from mmgate.settings import FetchSettings, FrameSampling, Settings, VideoSettings
 from tests.conftest import bundle_dir
 from tests.support.servers import gateway_in_thread, media_origin
-from tests.video.video_support import QWEN2_5, QWEN3, data_url, pipeline, video_part
+from tests.video.video_support import QWEN2_5, QWEN3, data_url, loopback_gateway, pipeline, video_part
 
 
 def audio_only_mp4() -> bytes:
@@ -67,9 +67,7 @@ def b64_url(data: bytes) -> str:
 
 @pytest.fixture(scope="module")
 def gateway() -> Iterator[str]:
-    settings = Settings(model=str(bundle_dir(QWEN3)), served_model_name=QWEN3,
-                        worker_urls=(f"grpc://127.0.0.1:{free_port()}",), fetch=FetchSettings(allow_private_hosts=True))
-    with gateway_in_thread(settings) as base:
+    with loopback_gateway(QWEN3) as base:
         yield base
 
 

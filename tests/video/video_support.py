@@ -24,7 +24,9 @@ import base64
 import copy
 import json
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import cache
@@ -36,13 +38,15 @@ import numpy as np
 
 from mmgate.api.protocol import parse_chat_request
 from mmgate.chat.tokenizer import load_tokenizer
+from mmgate.launch import free_port
 from mmgate.media.fetch import MediaFetcher
 from mmgate.models.bundle import load_bundle
 from mmgate.models.registry import load_family
 from mmgate.pipeline import ModelRuntime, Pipeline
-from mmgate.settings import FrameSampling, ImageBackend, Settings, VideoSettings
+from mmgate.settings import FetchSettings, FrameSampling, ImageBackend, Settings, VideoSettings
 from mmgate.types import PreparedRequest
 from tests.conftest import bundle_dir
+from tests.support.servers import gateway_in_thread
 from tests.support.vllm_video import vllm_sampling_kwargs
 
 QWEN2 = "Qwen/Qwen2-VL-2B-Instruct"
@@ -181,6 +185,20 @@ def reference(model: str, path: Path, text: str = "What happens?", images: list 
                      out=out)
 
 
+def assert_same(prepared: PreparedRequest, ref: Reference) -> None:
+    """mmgate's request equals the reference: ids, and per batch ``pixel_values`` (max |diff| 0, same shape),
+    the grid and ``second_per_grid_ts``."""
+    assert prepared.input_ids == tuple(ref.input_ids)
+    for batch in prepared.batches:
+        video = "video_grid_thw" in batch.tensors
+        assert np.array_equal(batch.tensors["pixel_values"], ref.out["pixel_values_videos" if video else "pixel_values"])
+        grid = "video_grid_thw" if video else "image_grid_thw"
+        assert np.array_equal(batch.tensors[grid], ref.out[grid])
+        if "second_per_grid_ts" in batch.tensors:
+            assert np.array_equal(batch.tensors["second_per_grid_ts"],
+                                  np.asarray(ref.out["second_per_grid_ts"], dtype=np.float32))
+
+
 @cache
 def pipeline(model: str, sampling: FrameSampling = FrameSampling.VLLM) -> Pipeline:
     bundle = load_bundle(bundle_dir(model), name=model)
@@ -204,3 +222,13 @@ def prepare(model: str, parts: list[dict], text: str = "What happens?",
 
 def video_part(path: Path, **hints: Any) -> dict:
     return {"type": "video_url", "video_url": {"url": data_url(path), **hints}}
+
+
+@contextmanager
+def loopback_gateway(model: str) -> Iterator[str]:
+    """The real gateway serving ``model`` on loopback, allowed to fetch from the tests' loopback media origin;
+    no worker listens (for refusals).  Yields its base URL."""
+    settings = Settings(model=str(bundle_dir(model)), served_model_name=model,
+                        worker_urls=(f"grpc://127.0.0.1:{free_port()}",), fetch=FetchSettings(allow_private_hosts=True))
+    with gateway_in_thread(settings) as base:
+        yield base
