@@ -40,6 +40,22 @@ class ImageBackend(StrEnum):
     TORCHVISION = "torchvision"
 
 
+class FrameSampling(StrEnum):
+    """Which frames of a clip a bundle whose video config does not set ``do_sample_frames`` keeps
+    (docs/video.md, "Sampling rules").
+
+    ``vllm``: as a vLLM worker (``vllm/multimodal/video.py`` ``Qwen2VLVideoBackend``, vLLM 0.33):
+    Qwen2-VL and Qwen2.5-VL clips sampled at 2 fps (transformers 5.24
+    ``Qwen2VLVideoProcessor.sample_frames`` in fps mode).  ``transformers``: the transformers 5.24
+    processor's own default, ``do_sample_frames=False`` for ``Qwen2VLVideoProcessor`` (every frame).
+    Qwen3-VL samples at 2 fps under both: its processor's default is vLLM's.  A request's
+    ``mm_processor_kwargs`` (``do_sample_frames``, ``fps``, ``num_frames``) override either.
+    """
+
+    VLLM = "vllm"
+    TRANSFORMERS = "transformers"
+
+
 ENV_MODEL_PATH = "MMGATE_MODEL_PATH"
 ENV_WORKERS = "MMGATE_WORKERS"  # --workers: gateway processes serving the port
 ENV_IMAGE_BACKEND = "MMGATE_IMAGE_BACKEND"
@@ -48,6 +64,7 @@ ENV_VIDEO_MAX_BYTES = "SMG_VIDEO_MAX_INPUT_BYTES"
 ENV_AUDIO_MAX_BYTES = "SMG_AUDIO_MAX_INPUT_BYTES"
 ENV_ALLOW_PRIVATE = "MMGATE_ALLOW_PRIVATE_MEDIA_HOSTS"
 ENV_VIDEO_APPLY_ROTATION = "MMGATE_VIDEO_APPLY_ROTATION"
+ENV_VIDEO_FRAME_SAMPLING = "MMGATE_VIDEO_FRAME_SAMPLING"
 ENV_VIDEO_DECODE_TIMEOUT = "SMG_VIDEO_PROCESS_TIMEOUT_SECS"  # SMG: timeout of one ffmpeg video decode
 ENV_MAX_COUNT = {"image": "SMG_IMAGE_MAX_COUNT", "video": "SMG_VIDEO_MAX_COUNT", "audio": "SMG_AUDIO_MAX_COUNT"}
 
@@ -92,6 +109,7 @@ class VideoSettings:
     max_decoded_pixels: int = DEFAULT_VIDEO_MAX_DECODED_PIXELS  # per request: sum of sampled frames x H x W
     decode_timeout_s: float = DEFAULT_VIDEO_DECODE_TIMEOUT_S  # per clip, wall clock
     apply_rotation: bool = True  # display-matrix rotation applied (upright, as ffmpeg/OpenCV); False: as the reference
+    frame_sampling: FrameSampling = FrameSampling.VLLM  # frames kept where the bundle does not say (FrameSampling)
 
 
 GROUP_MEDIA = "media intake"
@@ -187,6 +205,11 @@ def add_video_options(parser: argparse.ArgumentParser) -> None:
                env=(ENV_VIDEO_APPLY_ROTATION,),
                help="turn rotated clips upright by their display matrix, as ffmpeg/OpenCV; "
                     "--no-video-apply-rotation: the stored orientation, as the transformers pyav loader")
+    add_option(g, "--video-frame-sampling", choices=[m.value for m in FrameSampling],
+               default=FrameSampling.VLLM.value, env=(ENV_VIDEO_FRAME_SAMPLING,),
+               help="frames kept of a clip whose bundle does not set do_sample_frames: vllm = as a vLLM worker "
+                    "(Qwen2-VL / Qwen2.5-VL at 2 fps), transformers = the processor's default (Qwen2-VL / "
+                    "Qwen2.5-VL: every frame); docs/video.md")
 
 
 def video_settings(ns: argparse.Namespace) -> VideoSettings:
@@ -198,7 +221,8 @@ def video_settings(ns: argparse.Namespace) -> VideoSettings:
     if ns.video_decode_timeout <= 0:
         raise SystemExit("--video-decode-timeout must be positive")
     return VideoSettings(max_decoded_pixels=ns.video_max_decoded_pixels, decode_timeout_s=ns.video_decode_timeout,
-                         apply_rotation=bool(ns.video_apply_rotation))
+                         apply_rotation=bool(ns.video_apply_rotation),
+                         frame_sampling=FrameSampling(ns.video_frame_sampling))
 
 
 @dataclass(frozen=True, slots=True)

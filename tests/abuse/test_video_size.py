@@ -1,7 +1,9 @@
 """Issue 15, item 5: media that expand past what the transport carries are the caller's 413, never a retryable 503.
 
 A 26 KB clip of ten 3840x2160 frames and a 10-minute 64x64 clip (30 fps, 18000 frames) are made here
-with PyAV.  Qwen2-VL keeps every frame of a clip (``do_sample_frames=False``), so their
+with PyAV and sent with ``mm_processor_kwargs: {"do_sample_frames": false}``: Qwen2-VL then keeps every
+frame of a clip (the transformers default; by default mmgate samples 2 fps as a vLLM worker, which keeps
+the 10-minute clip to 768 frames), so their
 ``pixel_values`` would be, by the reference's arithmetic written out below, 992 MB and 677 MB of
 float32: more than the 512 MiB gRPC message limit of the engine channel.  The gateway refuses them
 with 413 ``multimodal_payload_too_large`` from the clip's header, before decoding (its memory does not
@@ -70,7 +72,7 @@ def data_url(mime: str, data: bytes) -> str:
 
 
 def video_body(*parts: dict) -> dict:
-    return {"model": MODEL, "max_tokens": 1,
+    return {"model": MODEL, "max_tokens": 1, "mm_processor_kwargs": {"do_sample_frames": False},
             "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "What happens?"}]}]}
 
 

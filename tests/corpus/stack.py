@@ -54,6 +54,8 @@ def _image_config(p: Mapping[str, Any], processor: str) -> dict[str, Any]:
 
 
 def _video_config(p: Mapping[str, Any], video_processor: str) -> dict[str, Any]:
+    # do_sample_frames always written: a bundle that leaves it unset samples 2 fps under the gateway's default
+    # --video-frame-sampling vllm, where the BH-14 cases expect Qwen2-VL frames passed as-is
     cfg: dict[str, Any] = {
         "size": {"shortest_edge": p["video_min_pixels"], "longest_edge": p["video_max_pixels"]},
         "patch_size": p["patch_size"], "temporal_patch_size": p["temporal_patch_size"],

@@ -18,7 +18,8 @@ with torch:
   run takes every edge size and the live tier's >= 200 random sizes per family.
 * whole requests through the app's own state (``mmgate.api.app.build_state`` +
   ``pipeline.prepare``): a two-image chat (reference: ``processor(text=apply_chat_template(...,
-  tokenize=False), images=...)``) and video clips (reference: ``tests/video/video_support.reference``,
+  tokenize=False), images=...)``) and video clips (reference: ``tests/video/video_support.reference``
+  with ``vllm_video_kwargs``, the default ``--video-frame-sampling``,
   transformers' pyav loader + the processor), ``input_ids`` and every tensor identical;
 * the Redis sidecar's processor (``load_runtime`` + ``MediaProcessor.process``);
 * ``mmgate serve`` itself, started with torch blocked, serving a two-image chat to a loopback
@@ -73,6 +74,7 @@ from tests.video.video_support import (
     make_clip,
     reference,
     video_part,
+    vllm_video_kwargs,
 )
 
 SEED = int(os.environ.get("MMGATE_PARITY_SEED") or secrets.randbits(32))
@@ -278,7 +280,8 @@ def test_app_pipeline_video_and_sidecar_are_exact_without_torch(tmp_path: Path) 
     clip_small = make_clip(ClipSpec("torchfree_f17_70x46", 17, 25, 70, 46, codec="mpeg4"), tmp_path)
     clip_big = make_clip(BIG_CLIP, tmp_path)
     videos = {f"{model}/{p.name}": (model, p) for model, p in ((QWEN2_5, clip_small), (QWEN3, clip_big))}
-    video_refs = {key: reference(model, path) for key, (model, path) in videos.items()}
+    video_refs = {key: reference(model, path, video_kwargs=vllm_video_kwargs(model))  # the default sampling
+                  for key, (model, path) in videos.items()}
     anchor = qwen2.family.image.anchor_token_id  # type: ignore[attr-defined]
     prompt_ids = [9, anchor, 10, 11, anchor, 12]
     job = {

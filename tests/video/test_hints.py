@@ -21,21 +21,22 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmgate.launch import free_port
 from mmgate.models import geometry
 from mmgate.models.qwen_vl_frames import long_side_bound
-from mmgate.settings import FetchSettings, Settings
-from mmgate.types import ItemHints
-from tests.conftest import bundle_dir
-from tests.support.servers import gateway_in_thread, media_origin
+from mmgate.settings import FrameSampling
+from mmgate.types import ItemHints, VideoMeta
+from tests.support.servers import media_origin
 from tests.video.video_support import (
     MODELS,
-    QWEN2,
+    QWEN2_5,
     QWEN3,
+    assert_same,
+    loopback_gateway,
     pipeline,
     prepare,
     reference,
     video_part,
+    vllm_video_kwargs,
 )
 
 
@@ -46,37 +47,34 @@ def _png(h: int, w: int) -> bytes:
     return buf.getvalue()
 
 
-def _assert_same(prepared, ref) -> None:
-    assert prepared.input_ids == tuple(ref.input_ids)
-    for batch in prepared.batches:
-        key = "pixel_values_videos" if "video_grid_thw" in batch.tensors else "pixel_values"
-        assert float(np.abs(batch.tensors["pixel_values"] - ref.out[key]).max()) == 0.0
-        for name in ("video_grid_thw", "image_grid_thw"):
-            if name in batch.tensors:
-                assert np.array_equal(batch.tensors[name], ref.out[name])
-        if "second_per_grid_ts" in batch.tensors:
-            assert np.array_equal(batch.tensors["second_per_grid_ts"],
-                                  np.asarray(ref.out["second_per_grid_ts"], dtype=np.float32))
-
-
 @pytest.mark.parametrize("clip,fps", [("f301_24fps_tiny", 0.2), ("f301_24fps_tiny", 0.5), ("f60_30fps", 5.0)])
 @pytest.mark.parametrize("model", MODELS)
 def test_fps_hint_samples_as_the_reference_with_do_sample_frames_and_fps(model: str, clip: str, fps: float,
                                                                          clips: dict[str, Path]) -> None:
     path = clips[clip]
     ref = reference(model, path, video_kwargs={"do_sample_frames": True, "fps": fps})
-    _assert_same(prepare(model, [video_part(path, fps=fps)]), ref)
+    assert_same(prepare(model, [video_part(path, fps=fps)]), ref)
 
 
-def test_fps_hint_where_the_reference_indexes_past_the_last_frame_drops_that_index(clips: dict[str, Path]) -> None:
+@pytest.mark.parametrize("sampling", tuple(FrameSampling), ids=lambda m: m.value)
+def test_fps_hint_where_the_reference_indexes_past_the_last_frame_clamps_that_index_as_vllm(
+        sampling: FrameSampling, clips: dict[str, Path]) -> None:
     """301 frames at 24 fps sampled at 5 fps: floor(62.7 / 2) * 2 = 62 frames, but
-    ``torch.arange(0, 301, 301 / 62)`` yields 63 values, the last 301: the reference raises IndexError.
-    mmgate keeps the 62 in-range indices (an even count: 31 temporal patches)."""
+    ``torch.arange(0, 301, 301 / 62)`` yields 63 values, the last 301: transformers raises IndexError.
+    mmgate clamps it to 300, as vLLM's ``Qwen2VLVideoBackend.compute_frames_index_to_sample`` does: 63
+    frames, 32 temporal patches (the last padded), what the processor computes from those frames."""
+    import torch
+
     path = clips["f301_24fps_tiny"]
     with pytest.raises(IndexError):
-        reference(QWEN2, path, video_kwargs={"do_sample_frames": True, "fps": 5.0})
-    prepared = prepare(QWEN2, [video_part(path, fps=5.0)])
-    assert prepared.batches[0].tensors["video_grid_thw"][0][0] == 31
+        reference(QWEN2_5, path, video_kwargs={"do_sample_frames": True, "fps": 5.0})
+    indices = [min(int(i), 300) for i in torch.arange(0, 301, 301 / 62).int()]
+    assert len(indices) == 63 and indices[-2:] == [296, 300]
+    prepared = prepare(QWEN2_5, [video_part(path, fps=5.0)], sampling=sampling)
+    meta = VideoMeta(total_frames=301, fps=24.0, height=32, width=48, codec="h264", container="mp4")
+    assert pipeline(QWEN2_5, sampling).runtime.family.video.sample(meta, ItemHints(fps=5.0)) == indices
+    assert prepared.batches[0].tensors["video_grid_thw"][0][0] == 32
+    assert_same(prepared, reference(QWEN2_5, path, indices=indices))
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -89,11 +87,12 @@ def test_max_long_side_hint_on_a_clip_is_the_reference_with_that_longest_edge(mo
     prepared = prepare(model, [video_part(path, max_long_side_pixel=long_side)])
     plan = prepared.plans[0]
     assert max(plan.resized_hw) <= long_side
-    n = len(reference(model, path).indices)  # sampled frames: Qwen3-VL's bound counts all of them
+    sampled = vllm_video_kwargs(model)  # the default --video-frame-sampling
+    n = len(reference(model, path, video_kwargs=sampled).indices)  # Qwen3-VL's bound counts every sampled frame
     bound = family.video.max_pixels_for(n, 90, 160, ItemHints(max_long_side_pixel=long_side))
     assert bound < family.video.p.max_pixels
     size = {"shortest_edge": family.video.p.min_pixels, "longest_edge": bound}
-    _assert_same(prepared, reference(model, path, video_kwargs={"size": size}))
+    assert_same(prepared, reference(model, path, video_kwargs={**sampled, "size": size}))
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -113,7 +112,7 @@ def test_hinted_image_and_hinted_clip_in_one_request_match_the_reference(model: 
     ref = reference(model, path, images=[Image.open(io.BytesIO(png))],
                     video_kwargs={"do_sample_frames": True, "fps": 2.0}, image_kwargs=image_kwargs)
     assert [b.modality.value for b in prepared.batches] == ["video", "image"]
-    _assert_same(prepared, ref)
+    assert_same(prepared, ref)
 
 
 def test_long_side_bound_keeps_the_long_side_within_the_hint_unless_min_pixels_enlarges() -> None:
@@ -135,9 +134,7 @@ def test_long_side_bound_keeps_the_long_side_within_the_hint_unless_min_pixels_e
 
 @pytest.fixture(scope="module")
 def qwen3_gateway() -> Iterator[str]:
-    settings = Settings(model=str(bundle_dir(QWEN3)), worker_urls=(f"grpc://127.0.0.1:{free_port()}",),
-                        fetch=FetchSettings(allow_private_hosts=True))
-    with gateway_in_thread(settings) as base:
+    with loopback_gateway(QWEN3) as base:
         yield base
 
 

@@ -26,6 +26,7 @@ from tests.video.video_support import (
     pipeline,
     prepare,
     processor,
+    vllm_video_kwargs,
 )
 
 
@@ -53,7 +54,7 @@ def test_clip_image_clip_request_matches_the_processor_batch_by_batch(model: str
         warnings.simplefilter("ignore")
         ref = proc(text=[prompt], videos=[fa, fb], video_metadata=[copy.deepcopy(ma), copy.deepcopy(mb)],
                    images=[Image.open(io.BytesIO(image))], return_tensors="np",
-                   videos_kwargs={"cap_pixels_per_frame": False})
+                   videos_kwargs={"cap_pixels_per_frame": False, **vllm_video_kwargs(model)})
 
     assert prepared.input_ids == tuple(int(t) for t in ref["input_ids"][0])
     video, picture = prepared.batches

@@ -34,6 +34,7 @@ from tests.video.video_support import (
     load,
     prepare,
     processor,
+    vllm_video_kwargs,
 )
 
 
@@ -61,7 +62,7 @@ def test_engine_intake_gives_the_model_the_processor_kwargs_and_forward_runs(mod
         warnings.simplefilter("ignore")
         ref = proc(text=[prompt], images=[Image.open(io.BytesIO(buf.getvalue()))], videos=[frames],
                    video_metadata=[copy.deepcopy(meta)], return_tensors="pt",
-                   videos_kwargs={"cap_pixels_per_frame": False})
+                   videos_kwargs={"cap_pixels_per_frame": False, **vllm_video_kwargs(model)})
     expected = {"pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "mm_token_type_ids"}
     if model == QWEN2_5:
         expected.add("second_per_grid_ts")

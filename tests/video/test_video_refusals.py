@@ -24,10 +24,10 @@ from mmgate.api.protocol import parse_chat_request
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.launch import free_port
 from mmgate.pipeline import Pipeline
-from mmgate.settings import FetchSettings, Settings, VideoSettings
+from mmgate.settings import FetchSettings, FrameSampling, Settings, VideoSettings
 from tests.conftest import bundle_dir
 from tests.support.servers import gateway_in_thread, media_origin
-from tests.video.video_support import QWEN2_5, QWEN3, data_url, pipeline, video_part
+from tests.video.video_support import QWEN2_5, QWEN3, data_url, loopback_gateway, pipeline, video_part
 
 
 def audio_only_mp4() -> bytes:
@@ -67,9 +67,7 @@ def b64_url(data: bytes) -> str:
 
 @pytest.fixture(scope="module")
 def gateway() -> Iterator[str]:
-    settings = Settings(model=str(bundle_dir(QWEN3)), served_model_name=QWEN3,
-                        worker_urls=(f"grpc://127.0.0.1:{free_port()}",), fetch=FetchSettings(allow_private_hosts=True))
-    with gateway_in_thread(settings) as base:
+    with loopback_gateway(QWEN3) as base:
         yield base
 
 
@@ -125,7 +123,7 @@ def test_clip_over_the_byte_cap_is_413_before_decoding(gateway: str, clips: dict
 
 
 def run_with(model: str, video: VideoSettings, parts: list[dict]) -> None:
-    base = pipeline(model)
+    base = pipeline(model, video.frame_sampling)
     settings = replace(base.settings, video=video)
     pipe = Pipeline(base.runtime, settings, base.fetcher, base.executor)
     body = {"model": model, "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "hi"}]}]}
@@ -133,11 +131,13 @@ def run_with(model: str, video: VideoSettings, parts: list[dict]) -> None:
 
 
 def test_decoded_pixel_cap_counts_every_clip_of_the_request(clips: dict[str, Path]) -> None:
-    """f60_30fps on Qwen2.5-VL keeps all 60 frames of 160x90: 864,000 pixels per clip."""
+    """f60_30fps on Qwen2.5-VL under ``--video-frame-sampling transformers`` keeps all 60 frames of 160x90:
+    864,000 pixels per clip."""
     clip = clips["f60_30fps"]
-    run_with(QWEN2_5, VideoSettings(max_decoded_pixels=864_000), [video_part(clip)])
+    every_frame = VideoSettings(max_decoded_pixels=864_000, frame_sampling=FrameSampling.TRANSFORMERS)
+    run_with(QWEN2_5, every_frame, [video_part(clip)])
     with pytest.raises(GatewayError) as err:
-        run_with(QWEN2_5, VideoSettings(max_decoded_pixels=864_000), [video_part(clip), video_part(clip, fps=5.0)])
+        run_with(QWEN2_5, every_frame, [video_part(clip), video_part(clip, fps=5.0)])
     assert err.value.code is ErrorCode.MEDIA_TOO_LARGE and err.value.status == 413
     assert err.value.param in ("messages[0].content[0]", "messages[0].content[1]")
 

@@ -7,7 +7,8 @@ writes).  Expected values come from outside mmgate:
   ``autorotate``; mmgate's upright frames equal its frames;
 * tensors: the transformers 5.24 processor run on the reference loader's frames
   (``load_video(path, backend="pyav")``, stored orientation) turned upright by this test with
-  ``np.rot90`` (the display matrix angle is counter-clockwise): ``video_grid_thw``, the expanded
+  ``np.rot90`` (the display matrix angle is counter-clockwise), sampling as the default
+  ``--video-frame-sampling vllm`` (``vllm_video_kwargs``): ``video_grid_thw``, the expanded
   ``input_ids`` and ``pixel_values`` (max |diff| 0) equal mmgate's with rotation applied (the default).
 """
 
@@ -32,7 +33,16 @@ from mmgate.media.video import decode_video, upright_turns
 from mmgate.pipeline import Pipeline
 from mmgate.settings import Settings, VideoSettings, parse_settings
 from mmgate.types import PreparedRequest
-from tests.video.video_support import MODELS, ClipSpec, load, make_clip, pipeline, processor, video_part
+from tests.video.video_support import (
+    MODELS,
+    ClipSpec,
+    load,
+    make_clip,
+    pipeline,
+    processor,
+    video_part,
+    vllm_video_kwargs,
+)
 
 #: 128 wide x 64 high as stored, so the upright grid is the stored one transposed
 ANGLES = (90, 270)
@@ -106,7 +116,7 @@ def upright_reference(model: str, path: Path, angle: int, text: str = "What happ
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = proc(text=[prompt], videos=[upright], video_metadata=[meta], return_tensors="np",
-                   videos_kwargs={"cap_pixels_per_frame": False})
+                   videos_kwargs={"cap_pixels_per_frame": False, **vllm_video_kwargs(model)})
     return upright, dict(out)
 
 

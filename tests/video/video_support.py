@@ -7,8 +7,14 @@
 * ``reference`` runs the transformers 5.24 path on a file: its own pyav loader
   ``load_video(path, backend="pyav")`` (torchcodec is not installed here; the
   video processor's URL path would pick it), then ``AutoProcessor`` with the
-  decoded frames and their ``VideoMetadata``.
-* ``prepare`` runs mmgate's pipeline in process on ``data:`` URLs.
+  decoded frames and their ``VideoMetadata``; given ``indices``, the processor
+  gets only those frames, with ``frames_indices`` in the metadata and no
+  sampling of its own, as a vLLM worker hands them over after its video loader
+  sampled them (vLLM 0.33 ``vllm/multimodal/video.py`` ``VideoLoader.create_hf_metadata``).
+* ``vllm_video_kwargs`` are the video kwargs that make the transformers processor
+  sample as a vLLM worker does (:mod:`tests.support.vllm_video`).
+* ``prepare`` runs mmgate's pipeline in process on ``data:`` URLs, under either
+  ``--video-frame-sampling``.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ import base64
 import copy
 import json
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import cache
@@ -30,13 +38,16 @@ import numpy as np
 
 from mmgate.api.protocol import parse_chat_request
 from mmgate.chat.tokenizer import load_tokenizer
+from mmgate.launch import free_port
 from mmgate.media.fetch import MediaFetcher
 from mmgate.models.bundle import load_bundle
 from mmgate.models.registry import load_family
 from mmgate.pipeline import ModelRuntime, Pipeline
-from mmgate.settings import ImageBackend, Settings, VideoSettings
+from mmgate.settings import FetchSettings, FrameSampling, ImageBackend, Settings, VideoSettings
 from mmgate.types import PreparedRequest
 from tests.conftest import bundle_dir
+from tests.support.servers import gateway_in_thread
+from tests.support.vllm_video import vllm_sampling_kwargs
 
 QWEN2 = "Qwen/Qwen2-VL-2B-Instruct"
 QWEN2_5 = "Qwen/Qwen2.5-VL-7B-Instruct"
@@ -137,42 +148,87 @@ def load(path: Path) -> tuple[np.ndarray, Any]:
     return load_video(str(path), backend="pyav")
 
 
+def vllm_video_kwargs(model: str) -> dict[str, Any]:
+    """:func:`tests.support.vllm_video.vllm_sampling_kwargs` of ``model``'s processor."""
+    return vllm_sampling_kwargs(processor(model))
+
+
 def reference(model: str, path: Path, text: str = "What happens?", images: list | None = None,
-              video_kwargs: dict | None = None, image_kwargs: dict | None = None) -> Reference:
-    """The transformers processor on the frames its pyav loader decodes (video first, then images)."""
+              video_kwargs: dict | None = None, image_kwargs: dict | None = None,
+              indices: list[int] | None = None, flat: dict | None = None,
+              loaded: tuple[np.ndarray, Any] | None = None) -> Reference:
+    """The transformers processor on the frames its pyav loader decodes (video first, then images);
+    with ``indices``, on those frames only (see the module docstring).  ``flat``: kwargs passed to the
+    processor call itself, as a vLLM worker passes a request's ``mm_processor_kwargs`` (the processor
+    hands each to every modality that declares it).  ``loaded``: what ``load(path)`` returned already."""
     proc = processor(model)
-    frames, meta = load(path)
+    frames, meta = loaded if loaded is not None else load(path)
+    vk = {"cap_pixels_per_frame": False, **(video_kwargs or {})}
+    given, given_meta = frames, meta
+    if indices is not None:
+        given = frames[indices]
+        given_meta = copy.deepcopy(meta)
+        given_meta.frames_indices = list(indices)
+        vk["do_sample_frames"] = False
     content = [{"type": "video"}] + [{"type": "image"} for _ in images or ()] + [{"type": "text", "text": text}]
     prompt = proc.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                       tokenize=False)
-    vk = {"cap_pixels_per_frame": False, **(video_kwargs or {})}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        sampled = proc.video_processor(videos=[frames], video_metadata=[copy.deepcopy(meta)], return_metadata=True,
-                                       return_tensors="np", **vk)
-        out = proc(text=[prompt], videos=[frames], video_metadata=[copy.deepcopy(meta)], images=images,
-                   return_tensors="np", videos_kwargs=vk, images_kwargs=image_kwargs or {})
+        # Flat kwargs go alone: next to a videos_kwargs dict the processor would drop some of them.
+        by_modality = {"videos_kwargs": vk, "images_kwargs": image_kwargs or {}} if flat is None else {**vk, **flat}
+        out = dict(proc(text=[prompt], videos=[given], video_metadata=[copy.deepcopy(given_meta)], images=images,
+                        return_tensors="np", return_metadata=True, **by_modality))  # metadata: the frames kept
+    kept = out.pop("video_metadata")[0].frames_indices
     return Reference(input_ids=[int(t) for t in out["input_ids"][0]], frames=frames,
-                     indices=[int(i) for i in sampled["video_metadata"][0].frames_indices], fps=float(meta.fps),
-                     out=dict(out))
+                     indices=[int(i) for i in (range(len(frames)) if kept is None else kept)], fps=float(meta.fps),
+                     out=out)
+
+
+def assert_same(prepared: PreparedRequest, ref: Reference) -> None:
+    """mmgate's request equals the reference: ids, and per batch ``pixel_values`` (max |diff| 0, same shape),
+    the grid and ``second_per_grid_ts``."""
+    assert prepared.input_ids == tuple(ref.input_ids)
+    for batch in prepared.batches:
+        video = "video_grid_thw" in batch.tensors
+        assert np.array_equal(batch.tensors["pixel_values"], ref.out["pixel_values_videos" if video else "pixel_values"])
+        grid = "video_grid_thw" if video else "image_grid_thw"
+        assert np.array_equal(batch.tensors[grid], ref.out[grid])
+        if "second_per_grid_ts" in batch.tensors:
+            assert np.array_equal(batch.tensors["second_per_grid_ts"],
+                                  np.asarray(ref.out["second_per_grid_ts"], dtype=np.float32))
 
 
 @cache
-def pipeline(model: str) -> Pipeline:
+def pipeline(model: str, sampling: FrameSampling = FrameSampling.VLLM) -> Pipeline:
     bundle = load_bundle(bundle_dir(model), name=model)
     tokenizer = load_tokenizer(bundle)
-    family = load_family(bundle, tokenizer, ImageBackend.TORCHVISION)
+    family = load_family(bundle, tokenizer, ImageBackend.TORCHVISION, video_sampling=sampling)
     runtime = ModelRuntime(bundle=bundle, tokenizer=tokenizer, family=family, served_name=model)
     # The parity tests compare with the reference's pyav loader, which keeps the stored orientation.
-    settings = Settings(model=model, video=VideoSettings(apply_rotation=False))
+    settings = Settings(model=model, video=VideoSettings(apply_rotation=False, frame_sampling=sampling))
     return Pipeline(runtime, settings, MediaFetcher(settings.fetch), ThreadPoolExecutor(2))
 
 
-def prepare(model: str, parts: list[dict], text: str = "What happens?") -> PreparedRequest:
-    """mmgate's pipeline on one user message: ``parts`` then the text."""
-    body = {"model": model, "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]}
-    return asyncio.run(pipeline(model).prepare(parse_chat_request(json.dumps(body).encode())))
+def prepare(model: str, parts: list[dict], text: str = "What happens?",
+            sampling: FrameSampling = FrameSampling.VLLM, kwargs: dict | None = None) -> PreparedRequest:
+    """mmgate's pipeline on one user message: ``parts`` then the text (``kwargs``: ``mm_processor_kwargs``)."""
+    body: dict[str, Any] = {"model": model,
+                            "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]}
+    if kwargs:
+        body["mm_processor_kwargs"] = kwargs
+    return asyncio.run(pipeline(model, sampling).prepare(parse_chat_request(json.dumps(body).encode())))
 
 
 def video_part(path: Path, **hints: Any) -> dict:
     return {"type": "video_url", "video_url": {"url": data_url(path), **hints}}
+
+
+@contextmanager
+def loopback_gateway(model: str) -> Iterator[str]:
+    """The real gateway serving ``model`` on loopback, allowed to fetch from the tests' loopback media origin;
+    no worker listens (for refusals).  Yields its base URL."""
+    settings = Settings(model=str(bundle_dir(model)), served_model_name=model,
+                        worker_urls=(f"grpc://127.0.0.1:{free_port()}",), fetch=FetchSettings(allow_private_hosts=True))
+    with gateway_in_thread(settings) as base:
+        yield base

@@ -34,6 +34,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from tests.support.vllm_video import vllm_sampling_kwargs
+
 
 @dataclass(frozen=True)
 class Part:
@@ -113,8 +115,10 @@ def reference_inputs(bundle: Path, conversation: Conversation) -> dict[str, np.n
     if images:
         kwargs["images"] = images
     if videos:
-        # ``cap_pixels_per_frame`` is unset in every bundle: the reference warns and reads it as off.
-        kwargs.update(videos=videos, video_metadata=metadata, videos_kwargs={"cap_pixels_per_frame": False})
+        # ``cap_pixels_per_frame`` is unset in every bundle: the reference warns and reads it as off.  Frames
+        # as the workers' default --video-frame-sampling vllm takes them (Qwen2/2.5-VL: 2 fps).
+        kwargs.update(videos=videos, video_metadata=metadata,
+                      videos_kwargs={"cap_pixels_per_frame": False, **vllm_sampling_kwargs(proc)})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = proc(text=[prompt], return_tensors="pt", **kwargs)

@@ -219,6 +219,17 @@ def test_a_per_item_hint_is_never_forwarded_plan_not_forwardable(
     assert sent_refs(engines["capable"]) + sent_refs(engines["capable2"]) == [-1]
 
 
+def test_mm_processor_kwargs_are_never_forwarded_plan_not_forwardable(
+        uniform: Gateway, engines: dict[str, FakeEngine]) -> None:
+    """Media references carry no processor kwargs: a request with them (Qwen2-VL's ``min_pixels`` here) is
+    processed by the gateway, which applies them."""
+    part = {"type": "image_url", "image_url": {"url": data_url(image_bytes(40, 60, 1, "PNG"), "image/png")}}
+    before = uniform.decisions()
+    assert uniform.post({**chat([part, TEXT]), "mm_processor_kwargs": {"min_pixels": 6272}}).status_code == 200
+    assert delta(before, uniform.decisions()) == {("router", "plan_not_forwardable"): 1}
+    assert sent_refs(engines["capable"]) + sent_refs(engines["capable2"]) == [-1]
+
+
 def test_a_text_only_request_is_not_a_media_decision(uniform: Gateway) -> None:
     before = uniform.decisions()
     assert uniform.post(chat([TEXT])).status_code == 200

@@ -14,7 +14,9 @@ the test by transformers 5.24 on the same conversation and the same media bytes
 torchvision image backend, which is the backend a worker's ``--image-backend
 auto`` picks): ids, ``mm_token_type_ids``, ``pixel_values``, ``image_grid_thw``,
 ``pixel_values_videos``, ``video_grid_thw`` and, for Qwen2.5-VL,
-``second_per_grid_ts`` must match in key set, dtype, shape and bytes (the wire is
+``second_per_grid_ts`` (the clip's frames sampled as the workers' default
+``--video-frame-sampling vllm`` and the gateway's take them: Qwen2/2.5-VL at 2 fps)
+must match in key set, dtype, shape and bytes (the wire is
 float32, as the model; max abs diff 0); ``usage.prompt_tokens`` must be the
 reference's prompt length.
 
@@ -43,8 +45,10 @@ QWEN2_5 = "Qwen/Qwen2.5-VL-7B-Instruct"
 QWEN3 = "Qwen/Qwen3-VL-2B-Instruct"
 MODELS = (MODEL, QWEN2_5, QWEN3)
 PATHS = ("inprocess", "sidecar")
-#: 4 frames at 2 fps, 64x48: small enough for the stack's 1 MiB sidecar result limit
-CLIP = ClipSpec("wm_4f_2fps", 4, 2, 64, 48)
+#: 8 frames at 8 fps, 64x48: the workers' default sampling keeps 4 (Qwen2/2.5-VL [0, 2, 4, 6], at 2 fps as a
+#: vLLM worker; Qwen3-VL [0, 2, 5, 7]), as the gateway would: small enough for the stack's 1 MiB sidecar
+#: result limit
+CLIP = ClipSpec("wm_8f_8fps", 8, 8, 64, 48)
 
 
 @dataclass

@@ -76,7 +76,8 @@ def build_state(settings: Settings) -> GatewayState:
     bundle = resolve_bundle(settings.model, settings.model_search_path)
     tokenizer = load_tokenizer(bundle)
     backend = resolve_backend(settings.image_backend)
-    family = load_family(bundle, tokenizer, backend, ImageBackend.TORCHVISION)  # video: torchvision-only reference
+    family = load_family(bundle, tokenizer, backend, ImageBackend.TORCHVISION,  # video: torchvision-only reference
+                         video_sampling=settings.video.frame_sampling)
     runtime = ModelRuntime(bundle=bundle, tokenizer=tokenizer, family=family,
                            served_name=settings.served_model_name or bundle.name)
     threads = settings.preprocess_threads or (os.cpu_count() or 2)

@@ -36,7 +36,7 @@ from mmgate.models.bundle import ModelBundle
 
 #: ``sink(first_row, rows)``: receives each finished block ``[b, width]`` (a reused buffer: copy it)
 from mmgate.models.image_rows import RowSink  # noqa: E402  (re-exported for families)
-from mmgate.settings import ImageBackend
+from mmgate.settings import FrameSampling, ImageBackend
 from mmgate.types import (
     DecodedImage,
     DecodedVideo,
@@ -230,7 +230,8 @@ class FamilyClass(Protocol):
     model_types: tuple[str, ...]
 
     def from_bundle(self, bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageBackend,
-                    video_backend: ImageBackend | None = None) -> Family: ...
+                    video_backend: ImageBackend | None = None,
+                    video_sampling: FrameSampling = FrameSampling.VLLM) -> Family: ...
 
 
 def processor(family: Family, modality: Modality) -> ImageProcessor | VideoProcessor:

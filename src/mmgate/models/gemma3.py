@@ -63,7 +63,8 @@ from mmgate.models import geometry
 from mmgate.models.bundle import ModelBundle
 from mmgate.models.family import ImageOnlyFamily
 from mmgate.models.image_rows import RowNormalizer
-from mmgate.settings import ImageBackend
+from mmgate.models.processor_options import check_option_types, option_error
+from mmgate.settings import FrameSampling, ImageBackend
 from mmgate.types import (
     DecodedImage,
     ItemHints,
@@ -83,8 +84,8 @@ _PROCESSOR_DEFAULTS: dict[str, Any] = {
     "pan_and_scan_max_num_crops": 4,
     "pan_and_scan_min_ratio_to_activate": 1.2,
 }
-#: ``mm_processor_kwargs`` names taken per request -> accepted Python types (JSON ``true`` is bool,
-#: never int; an integer is a valid float, as JSON does not tell ``2`` from ``2.0``)
+#: ``mm_processor_kwargs`` names taken per request -> accepted Python types
+#: (:func:`mmgate.models.processor_options.check_option_types`)
 _OPTION_TYPES: dict[str, tuple[type, ...]] = {
     "do_pan_and_scan": (bool,),
     "pan_and_scan_min_crop_size": (int,),
@@ -212,10 +213,6 @@ def crop_boxes(plan: ItemPlan) -> list[tuple[int, int, int, int]]:
             for r in range(rows) for c in range(cols)]
 
 
-def _option_error(name: str, message: str) -> GatewayError:
-    return GatewayError(ErrorCode.INVALID_REQUEST, message, f"mm_processor_kwargs.{name}")
-
-
 class Gemma3Images:
     """The image processor of Gemma 3 (see module docstring)."""
 
@@ -271,23 +268,16 @@ class Gemma3Images:
             raise GatewayError(ErrorCode.INVALID_REQUEST, f"{self.model_type} resizes every image to "
                                f"{self.params.height}x{self.params.width}; max_long_side_pixel is not supported",
                                param + ".max_long_side_pixel")
-        for name, value in hints.options:
-            kinds = _OPTION_TYPES.get(name)
-            if kinds is None:
-                raise _option_error(name, f"{self.model_type} does not take mm_processor_kwargs {name!r}; it takes "
-                                    + ", ".join(sorted(_OPTION_TYPES)))
-            if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-                wanted = " or ".join(k.__name__ for k in kinds)
-                raise _option_error(name, f"{name} must be {wanted}, got {type(value).__name__}")
+        check_option_types(hints, _OPTION_TYPES, self.model_type)
         pas = self.pan_and_scan(hints)
         if pas.min_crop_size < 1:
-            raise _option_error("pan_and_scan_min_crop_size", "pan_and_scan_min_crop_size must be at least 1")
+            raise option_error("pan_and_scan_min_crop_size", "pan_and_scan_min_crop_size must be at least 1")
         if not 1 <= pas.max_num_crops <= MAX_PAN_AND_SCAN_CROPS:
-            raise _option_error("pan_and_scan_max_num_crops",
-                                f"pan_and_scan_max_num_crops must be within [1, {MAX_PAN_AND_SCAN_CROPS}]")
+            raise option_error("pan_and_scan_max_num_crops",
+                               f"pan_and_scan_max_num_crops must be within [1, {MAX_PAN_AND_SCAN_CROPS}]")
         if not math.isfinite(pas.min_ratio_to_activate):
-            raise _option_error("pan_and_scan_min_ratio_to_activate",
-                                "pan_and_scan_min_ratio_to_activate must be a finite number")
+            raise option_error("pan_and_scan_min_ratio_to_activate",
+                               "pan_and_scan_min_ratio_to_activate must be a finite number")
 
     def pan_and_scan(self, hints: ItemHints | None) -> PanAndScan:
         """The bundle's pan-and-scan settings with ``hints.options`` applied (checked by
@@ -324,8 +314,8 @@ class Gemma3Images:
         grid = pan_and_scan_grid(height, width, pas) if pas.enabled else None
         rows, cols, crop_h, crop_w = grid or (0, 0, 0, 0)
         if grid is not None and ((rows - 1) * crop_h >= height or (cols - 1) * crop_w >= width):
-            raise _option_error("pan_and_scan_min_crop_size", f"pan-and-scan settings cut an empty crop from a "
-                                f"{width}x{height} image")
+            raise option_error("pan_and_scan_min_crop_size", f"pan-and-scan settings cut an empty crop from a "
+                               f"{width}x{height} image")
         crops = rows * cols
         return ItemPlan(
             modality=Modality.IMAGE, original_hw=(height, width), resized_hw=(p.height, p.width),
@@ -391,7 +381,8 @@ class Gemma3Family(ImageOnlyFamily[Gemma3Images]):
 
     @classmethod
     def from_bundle(cls, bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageBackend,
-                    video_backend: ImageBackend | None = None) -> Gemma3Family:
+                    video_backend: ImageBackend | None = None,
+                    video_sampling: FrameSampling = FrameSampling.VLLM) -> Gemma3Family:
         """Read every parameter from the bundle (``video_backend`` is unused: no video).
 
         Raises:

@@ -53,7 +53,7 @@ from mmgate.models import geometry
 from mmgate.models.bundle import ModelBundle
 from mmgate.models.family import ImageOnlyFamily
 from mmgate.models.image_rows import RowNormalizer
-from mmgate.settings import ImageBackend
+from mmgate.settings import FrameSampling, ImageBackend
 from mmgate.types import (
     DecodedImage,
     ItemHints,
@@ -355,7 +355,8 @@ class LlavaFamily(ImageOnlyFamily[ClipCropImages]):
 
     @classmethod
     def from_bundle(cls, bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageBackend,
-                    video_backend: ImageBackend | None = None) -> LlavaFamily:
+                    video_backend: ImageBackend | None = None,
+                    video_sampling: FrameSampling = FrameSampling.VLLM) -> LlavaFamily:
         """Read every parameter from the bundle; ``backend`` ``auto`` is resolved here.
 
         Raises:

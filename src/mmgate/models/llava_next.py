@@ -59,7 +59,7 @@ from mmgate.models.llava import (
     image_tokens,
     normalizer_for,
 )
-from mmgate.settings import ImageBackend
+from mmgate.settings import FrameSampling, ImageBackend
 from mmgate.types import (
     DecodedImage,
     ItemHints,
@@ -226,7 +226,8 @@ class LlavaNextFamily(ImageOnlyFamily[AnyresImages]):
 
     @classmethod
     def from_bundle(cls, bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageBackend,
-                    video_backend: ImageBackend | None = None) -> LlavaNextFamily:
+                    video_backend: ImageBackend | None = None,
+                    video_sampling: FrameSampling = FrameSampling.VLLM) -> LlavaNextFamily:
         """Read every parameter from the bundle; ``backend`` ``auto`` is resolved here.
 
         Raises:

@@ -36,8 +36,9 @@ from mmgate.models import geometry
 from mmgate.models.bundle import ModelBundle
 from mmgate.models.image_rows import RowNormalizer, RowSink, image_rows, write_rows
 from mmgate.models.qwen_vl_frames import long_side_bound, video_config, video_params
+from mmgate.models.qwen_vl_kwargs import TAKES_OPTIONS, check_options, sized
 from mmgate.models.qwen_vl_video import QwenVLVideo
-from mmgate.settings import ImageBackend
+from mmgate.settings import FrameSampling, ImageBackend
 from mmgate.types import (
     DecodedImage,
     ItemHints,
@@ -146,17 +147,23 @@ class QwenVLImage:
 
         Raises:
             GatewayError(INVALID_REQUEST): ``max_long_side_pixel`` not a multiple of the resize
-                factor; any ``mm_processor_kwargs`` (Qwen-VL takes none per request here).
+                factor; ``mm_processor_kwargs`` for Qwen3-VL, or ones Qwen2-VL / Qwen2.5-VL do not
+                take (:mod:`mmgate.models.qwen_vl_kwargs`: images use ``min_pixels`` /
+                ``max_pixels``, the video processor's names are taken and left to videos).
         """
         if hints.max_long_side_pixel is not None and hints.max_long_side_pixel % self.params.factor:
             raise GatewayError(ErrorCode.INVALID_REQUEST,
                                f"max_long_side_pixel must be a positive multiple of {self.params.factor}",
                                param + ".max_long_side_pixel")
-        check_no_options(hints, self.model_type)
+        if self.model_type in TAKES_OPTIONS:
+            check_options(hints, self.model_type)
+        else:
+            check_no_options(hints, self.model_type)
 
     def image_max_pixels(self, height: int, width: int, hints: ItemHints | None) -> int:
-        """``size["longest_edge"]`` for one image: the config's, or a ``max_long_side_pixel`` hint's bound."""
-        p = self.params
+        """``size["longest_edge"]`` for one image: the config's (or the request's ``max_pixels``), or a
+        ``max_long_side_pixel`` hint's bound."""
+        p = sized(self.params, hints)
         if hints is None or hints.max_long_side_pixel is None or not p.do_resize:
             return p.max_pixels
         return long_side_bound(lambda bound: geometry.smart_resize(height, width, p.factor, p.min_pixels, bound),
@@ -164,7 +171,7 @@ class QwenVLImage:
 
     def plan(self, height: int, width: int, hints: ItemHints | None = None) -> ItemPlan:
         """Geometry of one image from its size (``smart_resize`` + grid); ``detail`` = grid ``(1, h, w)``."""
-        p = self.params
+        p = sized(self.params, hints)
         if p.do_resize:
             rh, rw = geometry.smart_resize(height, width, p.factor, p.min_pixels,
                                            self.image_max_pixels(height, width, hints))
@@ -258,11 +265,13 @@ class QwenVLFamily:
 
     @classmethod
     def from_bundle(cls, bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageBackend,
-                    video_backend: ImageBackend | None = None) -> QwenVLFamily:
+                    video_backend: ImageBackend | None = None,
+                    video_sampling: FrameSampling = FrameSampling.VLLM) -> QwenVLFamily:
         """Read every parameter from the bundle; ``backend`` must be resolved (not ``auto``).
 
         ``video_backend``: the video path's (:func:`mmgate.models.registry.load_family`); None: torchvision
-        when it imports, as the reference video processors.
+        when it imports, as the reference video processors.  ``video_sampling``: the frames a bundle
+        that does not set ``do_sample_frames`` keeps (``--video-frame-sampling``).
         """
         cfg = bundle.preprocessor_config or dict(bundle.processor_config.get("image_processor") or {})
         token_id = tokenizer.token_id(cls.image_token)
@@ -270,11 +279,11 @@ class QwenVLFamily:
         if token_id is None or (config_id is not None and int(config_id) != token_id):
             raise GatewayError(ErrorCode.INTERNAL_ERROR, f"bundle {bundle.name!r}: <|image_pad|> id disagrees with config")
         image = QwenVLImage(bundle.model_type, image_params_from_config(cfg), token_id, backend)
-        return cls(bundle.model_type, image, cls._video_from_bundle(bundle, tokenizer, video_backend))
+        return cls(bundle.model_type, image, cls._video_from_bundle(bundle, tokenizer, video_backend, video_sampling))
 
     @classmethod
-    def _video_from_bundle(cls, bundle: ModelBundle, tokenizer: BundleTokenizer,
-                           backend: ImageBackend | None = None) -> QwenVLVideo | None:
+    def _video_from_bundle(cls, bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageBackend | None = None,
+                           sampling: FrameSampling = FrameSampling.VLLM) -> QwenVLVideo | None:
         """The video side: the reference video processor is torchvision-only, so its backend is
         torchvision whenever importable, whatever the image backend (docs/video.md)."""
         from mmgate.media.video import av_available
@@ -290,7 +299,7 @@ class QwenVLFamily:
         def encode(text: str) -> list[int]:
             return list(tokenizer.tokenizer.encode(text, add_special_tokens=False).ids)
 
-        return QwenVLVideo(bundle.model_type, video_params(bundle.model_type, cfg),
+        return QwenVLVideo(bundle.model_type, video_params(bundle.model_type, cfg, sampling),
                            {k: int(v) for k, v in ids.items() if v is not None}, encode,
                            backend or geometry.resolve_backend(ImageBackend.AUTO))
 

@@ -1,26 +1,33 @@
 """Qwen-VL video before decoding: parameters, frame sampling, timestamps and frame geometry.
 
-Stage: plan (video).  In: the bundle's processor configs and a clip's header
-facts (:class:`~mmgate.types.VideoMeta`) with per-item hints; out: the resolved
-:class:`QwenVLVideoParams`, the frame indices to decode, Qwen3-VL timestamps and
-resized frame sizes.  :mod:`mmgate.models.qwen_vl_video` uses these to plan,
-preprocess and lay out the prompt (references there).
+Stage: plan (video).  In: the bundle's processor configs, the gateway's
+``--video-frame-sampling`` and a clip's header facts (:class:`~mmgate.types.VideoMeta`) with
+per-item hints; out: the resolved :class:`QwenVLVideoParams`, the frame indices to decode,
+Qwen3-VL timestamps and resized frame sizes.  :mod:`mmgate.models.qwen_vl_video` uses these to
+plan, preprocess and lay out the prompt (references there); the request's kwargs resolve in
+:mod:`mmgate.models.qwen_vl_kwargs`.
 
 Reference (transformers 5.24): ``Qwen2VLVideoProcessor`` / ``Qwen3VLVideoProcessor``
 ``sample_frames`` and ``_preprocess`` (``smart_resize``), ``Qwen3VLProcessor._calculate_timestamps``.
+Where a Qwen2-VL / Qwen2.5-VL bundle does not set ``do_sample_frames`` and the gateway follows
+vLLM (the default): vLLM 0.33 ``vllm/multimodal/video.py`` ``Qwen2VLVideoBackend``
+(``load_bytes`` ``fps=2``; ``compute_frames_index_to_sample``: the transformers fps path, its
+out-of-range tail index clamped to the last frame).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.models import geometry
+from mmgate.models.qwen_vl_kwargs import FrameRequest, frame_request
+from mmgate.settings import FrameSampling
 from mmgate.types import ItemHints, VideoMeta
 
 QWEN2_VIDEO = "Qwen2VLVideoProcessor"
@@ -36,6 +43,10 @@ _CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
                   "max_video_tokens": 768},
 }
 _PROCESSOR_BY_MODEL_TYPE = {"qwen2_vl": QWEN2_VIDEO, "qwen2_5_vl": QWEN2_VIDEO, "qwen3_vl": QWEN3_VIDEO}
+#: frames per second a vLLM worker samples Qwen2-VL / Qwen2.5-VL clips at (vLLM 0.33
+#: ``vllm/multimodal/video.py`` ``Qwen2VLVideoBackend.load_bytes`` ``fps=2``; the same rate as
+#: qwen-vl-utils' ``FPS``)
+VLLM_QWEN2_FPS = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +73,10 @@ class QwenVLVideoParams(geometry.PatchGeometry):
     max_frames: int
     cap_pixels_per_frame: bool  # the reference's ``None`` (warn, then off) reads as False
     max_video_tokens: int
+    #: ``fps`` is vLLM's loader rate, not the bundle's (``--video-frame-sampling vllm`` on a bundle that does
+    #: not set ``do_sample_frames``): a request's ``num_frames`` replaces it.  Out of the repr (and so of the
+    #: fingerprint): it changes no output, only which requests are refused.
+    vllm_rate: bool = field(default=False, repr=False)
 
 
 def video_config(bundle_processor: Mapping[str, Any], video: Mapping[str, Any], image: Mapping[str, Any]) -> dict:
@@ -74,9 +89,16 @@ def video_config(bundle_processor: Mapping[str, Any], video: Mapping[str, Any], 
     return dict(video or image)
 
 
-def video_params(model_type: str, cfg: Mapping[str, Any]) -> QwenVLVideoParams:
+def video_params(model_type: str, cfg: Mapping[str, Any],
+                 sampling: FrameSampling = FrameSampling.VLLM) -> QwenVLVideoParams:
     """Resolve like the processor's ``__init__``: class defaults, then the config; ``Qwen2VLVideoProcessor``
-    also takes ``min_pixels``/``max_pixels`` over ``size``."""
+    also takes ``min_pixels``/``max_pixels`` over ``size``.
+
+    ``sampling`` ``vllm``: a ``Qwen2VLVideoProcessor`` config without ``do_sample_frames`` samples as
+    vLLM's ``Qwen2VLVideoBackend`` does, ``do_sample_frames=True, fps=2, num_frames=None`` (vLLM reads
+    neither of the bundle's; ``min_frames``, ``max_frames`` and ``temporal_patch_size`` stay the
+    bundle's, which are vLLM's 4, 768 and 2 in every shipped bundle).  A config that sets
+    ``do_sample_frames`` is followed as it says, under either setting."""
     processor = str(cfg.get("video_processor_type") or _PROCESSOR_BY_MODEL_TYPE[model_type]).removesuffix("Fast")
     if processor not in _CLASS_DEFAULTS:
         processor = _PROCESSOR_BY_MODEL_TYPE[model_type]
@@ -91,6 +113,10 @@ def video_params(model_type: str, cfg: Mapping[str, Any]) -> QwenVLVideoParams:
         raise GatewayError(ErrorCode.INTERNAL_ERROR, "video processor size needs shortest_edge and longest_edge")
     fps = cfg.get("fps", d["fps"])
     num_frames = cfg.get("num_frames")
+    do_sample = cfg.get("do_sample_frames")
+    vllm_rate = processor == QWEN2_VIDEO and sampling is FrameSampling.VLLM and do_sample is None
+    if vllm_rate:
+        do_sample, fps, num_frames = True, VLLM_QWEN2_FPS, None
     return QwenVLVideoParams(
         processor=processor,
         patch_size=int(cfg.get("patch_size", d["patch_size"])),
@@ -105,22 +131,22 @@ def video_params(model_type: str, cfg: Mapping[str, Any]) -> QwenVLVideoParams:
         do_rescale=bool(cfg.get("do_rescale", True)),
         do_normalize=bool(cfg.get("do_normalize", True)),
         resample=int(cfg.get("resample", geometry.RESAMPLE_BICUBIC)),
-        do_sample_frames=bool(cfg.get("do_sample_frames", d["do_sample_frames"])),
+        do_sample_frames=bool(d["do_sample_frames"] if do_sample is None else do_sample),
         fps=None if fps is None else float(fps),
         num_frames=None if num_frames is None else int(num_frames),
         min_frames=int(cfg.get("min_frames", 4)),
         max_frames=int(cfg.get("max_frames", 768)),
         cap_pixels_per_frame=bool(cfg.get("cap_pixels_per_frame") or False),
         max_video_tokens=int(cfg.get("max_video_tokens", d["max_video_tokens"])),
+        vllm_rate=vllm_rate,
     )
 
 
 # ---------------------------------------------------------------- frame sampling
 
 
-def _too_few_frames(total: int) -> GatewayError:
-    return GatewayError(ErrorCode.INVALID_REQUEST,
-                        f"the video has {total} frame(s): too few for this model's frame sampling")
+def _unsampleable(message: str) -> GatewayError:
+    return GatewayError(ErrorCode.INVALID_REQUEST, message)
 
 
 def torch_arange_int(total: int, num_frames: int) -> list[int]:
@@ -154,29 +180,45 @@ def _arange_8_lanes(total: int, num_frames: int, lanes: int = 8) -> list[int]:
     return out
 
 
-def sample_qwen2(p: QwenVLVideoParams, meta: VideoMeta, fps: float | None, num_frames: int | None) -> list[int]:
-    """transformers 5.24 ``Qwen2VLVideoProcessor.sample_frames`` (same operations, same order).
+def sample_qwen2(p: QwenVLVideoParams, meta: VideoMeta, r: FrameRequest) -> list[int]:
+    """transformers 5.24 ``Qwen2VLVideoProcessor.sample_frames`` (same operations, same order), with the
+    tail of vLLM 0.33 ``Qwen2VLVideoBackend.compute_frames_index_to_sample``.
+
+    * ``num_frames``: rounded to a multiple of ``temporal_patch_size``;
+    * else ``fps``: ``min(max(total / video_fps * fps, min_frames), floor(min(max_frames, total) / tps) * tps,
+      total)``, floored to a multiple of ``tps``;
+    * else every frame;
+    * indices ``torch.arange(0, total, total / n).int()``.  Where float rounding makes that yield one
+      value more, equal to ``total`` (transformers then fails with ``IndexError`` on the frames), it is
+      clamped to ``total - 1``, as vLLM does: ``n + 1`` distinct frames.
+    * A clip too short for the fps path (fewer frames than ``tps``: ``n`` floors to 0, where both
+      references divide by zero) keeps every frame, as the transformers default processes it
+      (docs/video.md).
 
     Raises:
-        GatewayError(INVALID_REQUEST): no frame count survives the rounding (where the reference
-            divides by zero or refuses).
+        GatewayError(INVALID_REQUEST): ``num_frames`` above the clip's frames or rounding to 0 (the reference
+            raises ``ValueError`` / divides by zero); a request's ``min_frames`` / ``max_frames`` that leave
+            no frame of a clip long enough to sample.
     """
     total, tps = meta.total_frames, p.temporal_patch_size
-    if num_frames is not None:
-        num_frames = round(num_frames / tps) * tps
-    elif fps is not None:
-        max_frames = math.floor(min(p.max_frames, total) / tps) * tps
-        wanted = total / meta.fps * fps
-        wanted = min(max(wanted, p.min_frames), max_frames, total)
+    if r.num_frames is not None:
+        num_frames = round(r.num_frames / tps) * tps
+        if num_frames > total:
+            raise _unsampleable(f"the video has {total} frame(s): num_frames={num_frames} exceeds them")
+        if num_frames <= 0:
+            raise _unsampleable(f"num_frames={r.num_frames} rounds to no frame (a multiple of {tps} is sampled)")
+    elif r.fps is not None:
+        max_frames = math.floor(min(r.max_frames, total) / tps) * tps
+        wanted = total / meta.fps * r.fps
+        wanted = min(max(wanted, r.min_frames), max_frames, total)
         num_frames = math.floor(wanted / tps) * tps
-    if num_frames is None:
+        if num_frames <= 0:
+            if total < tps:
+                return list(range(total))
+            raise _unsampleable(f"min_frames / max_frames leave no frame to sample (a multiple of {tps} is sampled)")
+    else:
         return list(range(total))
-    if num_frames > total or num_frames <= 0:
-        raise _too_few_frames(total)
-    indices = torch_arange_int(total, num_frames)
-    # Beyond the reference: where float rounding makes arange yield one more index, equal to ``total``, the
-    # reference fails (IndexError on the frame array); mmgate drops the out-of-range index (docs/video.md).
-    return [i for i in indices if i < total]
+    return [min(i, total - 1) for i in torch_arange_int(total, num_frames)]
 
 
 def sample_qwen3(p: QwenVLVideoParams, meta: VideoMeta, fps: float | None, num_frames: int | None) -> list[int]:
@@ -191,23 +233,19 @@ def sample_qwen3(p: QwenVLVideoParams, meta: VideoMeta, fps: float | None, num_f
 
 
 def sample_indices(p: QwenVLVideoParams, meta: VideoMeta, hints: ItemHints) -> list[int]:
-    """The stream frame indices the reference keeps.
-
-    No sampling (``do_sample_frames`` off, no hint): every frame.  A ``fps``
-    hint maps to the reference kwargs ``do_sample_frames=True, fps=hint,
-    num_frames=None``.
+    """The stream frame indices the reference keeps, for the arguments in force
+    (:func:`mmgate.models.qwen_vl_kwargs.frame_request`): no sampling, every frame.
 
     Raises:
-        GatewayError(INVALID_REQUEST): too few frames to sample;
+        GatewayError(INVALID_REQUEST): a clip the arguments cannot sample, conflicting arguments;
         GatewayError(INTERNAL_ERROR): a config with both ``fps`` and ``num_frames``.
     """
-    if not (p.do_sample_frames or hints.fps is not None):
+    r = frame_request(p, hints)
+    if not r.do_sample_frames:
         return list(range(meta.total_frames))
-    fps, num_frames = (hints.fps, None) if hints.fps is not None else (p.fps, p.num_frames)
-    if fps is not None and num_frames is not None:
-        raise GatewayError(ErrorCode.INTERNAL_ERROR, "video processor config sets both fps and num_frames")
-    sampler = sample_qwen3 if p.processor == QWEN3_VIDEO else sample_qwen2
-    return sampler(p, meta, fps, num_frames)
+    if p.processor == QWEN3_VIDEO:
+        return sample_qwen3(p, meta, r.fps, r.num_frames)
+    return sample_qwen2(p, meta, r)
 
 
 def qwen3_timestamps(indices: Sequence[int], video_fps: float, temporal_patch_size: int) -> list[float]:

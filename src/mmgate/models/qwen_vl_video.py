@@ -13,8 +13,11 @@ Reference (transformers 5.24), the class ``AutoProcessor`` builds per bundle:
   ``Qwen2VLVideoProcessor``.  These bundles have no
   ``video_preprocessor_config.json``, so ``get_video_processor_dict`` falls back
   to ``preprocessor_config.json``: its ``min_pixels``/``max_pixels``, mean/std
-  and patch sizes apply; everything else (``do_sample_frames=False``: every
-  frame is kept, ``min_frames``, ``max_frames``) is a class default.
+  and patch sizes apply; everything else (``min_frames``, ``max_frames``,
+  ``do_sample_frames=False``) is a class default.  Frames: by default as vLLM
+  0.33's ``Qwen2VLVideoBackend`` samples them (2 fps through ``sample_frames``),
+  or, under ``--video-frame-sampling transformers``, every frame as that class
+  default says (:func:`mmgate.models.qwen_vl_frames.video_params`).
 * Qwen3-VL: ``models/qwen3_vl/video_processing_qwen3_vl.py``
   ``Qwen3VLVideoProcessor`` from ``video_preprocessor_config.json`` (``fps=2``,
   sampling on, a ``longest_edge`` that bounds the pixels of *all* frames).
@@ -52,6 +55,7 @@ from mmgate.models.qwen_vl_frames import (
     sample_indices,
     smart_resize_qwen3,
 )
+from mmgate.models.qwen_vl_kwargs import TAKES_OPTIONS, check_options, frame_request, sized
 from mmgate.models.video_pixels import FrameProcessor
 from mmgate.settings import ImageBackend
 from mmgate.types import (
@@ -117,21 +121,26 @@ class QwenVLVideo:
 
     def check_hints(self, hints: ItemHints, param: str) -> None:
         """Raises GatewayError(INVALID_REQUEST): ``max_long_side_pixel`` not a multiple of the resize
-        factor; any ``mm_processor_kwargs``."""
+        factor; ``mm_processor_kwargs`` for Qwen3-VL, or ones Qwen2-VL / Qwen2.5-VL do not take or
+        that conflict (:mod:`mmgate.models.qwen_vl_kwargs`)."""
         if hints.max_long_side_pixel is not None and hints.max_long_side_pixel % self.p.factor:
             raise GatewayError(ErrorCode.INVALID_REQUEST,
                                f"max_long_side_pixel must be a positive multiple of {self.p.factor}",
                                param + ".max_long_side_pixel")
         if hints.options:
-            raise GatewayError(ErrorCode.INVALID_REQUEST, f"{self.model_type} takes no mm_processor_kwargs here",
-                               "mm_processor_kwargs")
+            if self.model_type not in TAKES_OPTIONS:
+                raise GatewayError(ErrorCode.INVALID_REQUEST, f"{self.model_type} takes no mm_processor_kwargs here",
+                                   "mm_processor_kwargs")
+            check_options(hints, self.model_type)
+        frame_request(self.p, hints)
 
     def sample(self, meta: VideoMeta, hints: ItemHints) -> list[int]:
         return sample_indices(self.p, meta, hints)
 
-    def _resized(self, frames: int, height: int, width: int, max_pixels: int) -> tuple[int, int]:
-        """The reference's ``resize`` geometry for ``frames`` sampled frames (``cap_pixels_per_frame`` included)."""
-        p = self.p
+    def _resized(self, p: QwenVLVideoParams, frames: int, height: int, width: int,
+                 max_pixels: int) -> tuple[int, int]:
+        """The reference's ``resize`` geometry for ``frames`` sampled frames (``cap_pixels_per_frame`` included),
+        under ``p`` (the bundle's parameters with the request's pixel bounds)."""
         if p.processor == QWEN3_VIDEO:
             if p.cap_pixels_per_frame:
                 per_frame = max(min(p.max_video_tokens * p.factor * p.factor, max_pixels // frames),
@@ -144,22 +153,23 @@ class QwenVLVideo:
         return geometry.smart_resize(height, width, p.factor, p.min_pixels, max_pixels)
 
     def max_pixels_for(self, frames: int, height: int, width: int, hints: ItemHints) -> int:
-        """``size["longest_edge"]`` for this clip: the config's, or the hint's bound."""
-        p = self.p
+        """``size["longest_edge"]`` for this clip: the config's (or the request's ``max_pixels``), or the
+        ``max_long_side_pixel`` hint's bound."""
+        p = sized(self.p, hints)
         if hints.max_long_side_pixel is None or not p.do_resize:
             return p.max_pixels
         qwen3 = p.processor == QWEN3_VIDEO
         t_bar = round(frames / p.temporal_patch_size) * p.temporal_patch_size
-        return long_side_bound(lambda bound: self._resized(frames, height, width, bound), height, width,
+        return long_side_bound(lambda bound: self._resized(p, frames, height, width, bound), height, width,
                                hints.max_long_side_pixel, p.max_pixels, frames if qwen3 else 1, t_bar if qwen3 else 1)
 
     def plan(self, video: DecodedVideo, hints: ItemHints) -> VideoPlan:
         """Geometry of one decoded clip (its actual frame size, its sampled frame count)."""
-        p = self.p
+        p = sized(self.p, hints)
         frames, height, width = len(video.frame_indices), video.height, video.width
         max_pixels = self.max_pixels_for(frames, height, width, hints)
         if p.do_resize:
-            rh, rw = self._resized(frames, height, width, max_pixels)
+            rh, rw = self._resized(p, frames, height, width, max_pixels)
         else:
             rh, rw = height, width
             if rh % p.factor or rw % p.factor:

@@ -21,7 +21,7 @@ import importlib
 from mmgate.chat.tokenizer import BundleTokenizer
 from mmgate.models.bundle import ModelBundle
 from mmgate.models.family import Family, FamilyClass
-from mmgate.settings import ImageBackend
+from mmgate.settings import FrameSampling, ImageBackend
 
 __all__ = ["FAMILY_BY_MODEL_TYPE", "FAMILY_MODULES", "Family", "FamilyClass", "check_servable", "load_family",
            "media_markers", "registered_families", "supports_vision"]
@@ -120,11 +120,13 @@ def check_servable(bundle: ModelBundle) -> None:
 
 
 def load_family(bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageBackend,
-                video_backend: ImageBackend | None = None) -> Family | None:
+                video_backend: ImageBackend | None = None,
+                video_sampling: FrameSampling = FrameSampling.VLLM) -> Family | None:
     """The family serving ``bundle``, or None for a text-only model (``video_backend``: the video
     path's backend; the gateway passes ``torchvision``: the reference video processors,
     ``Qwen2VLVideoProcessor`` and kin, are torchvision-only whatever backend the images follow, and
-    their resize needs no torch here, :mod:`mmgate.media.tv_resize`).
+    their resize needs no torch here, :mod:`mmgate.media.tv_resize`; ``video_sampling``:
+    ``--video-frame-sampling``).
 
     Raises:
         GatewayError(MODEL_NOT_FOUND): a media model whose ``model_type`` no family serves
@@ -134,5 +136,6 @@ def load_family(bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageB
     cls = FAMILY_BY_MODEL_TYPE.get(bundle.model_type)
     if cls is None:
         return None
-    family: Family = cls.from_bundle(bundle, tokenizer, backend, video_backend)  # type: ignore[attr-defined]
+    family: Family = cls.from_bundle(bundle, tokenizer, backend, video_backend,  # type: ignore[attr-defined]
+                                     video_sampling=video_sampling)
     return family

@@ -8,7 +8,8 @@ holds the table; the first row that applies wins:
 
 1. ``--mm-processing router``                         -> router, ``config``
 2. model not opted in (``--mm-processing-models``)     -> router, ``model_not_opted_in``
-3. a media part not forwardable (audio, or a hint)     -> router, ``plan_not_forwardable``
+3. a media part not forwardable (audio, or a hint),
+   or ``mm_processor_kwargs`` set                     -> router, ``plan_not_forwardable``
 4. ``--mm-processing worker``                         -> worker, ``config``
 5. auto, no registered worker advertises a processor  -> router, ``auto_none``
 6. auto, every registered worker advertises one       -> worker, ``auto_uniform``
@@ -140,8 +141,9 @@ def decide_request(req: ChatCompletionRequest, settings: Settings, runtime: Mode
     parts = media_parts(req)
     if not parts:
         return None
+    # Media references carry neither per-item hints nor the request's processor kwargs.
     decision = decide(settings.mm_processing, model_opted_in(settings.mm_processing_models, runtime),
-                      forwardable(parts), workers)
+                      forwardable(parts) and not req.mm_processor_kwargs, workers)
     metrics.MM_PROCESSING.labels(runtime.served_name, decision.mode.value, decision.reason.value).inc()
     return decision
 

@@ -83,7 +83,8 @@ def processing_fingerprint(runtime: ModelRuntime, config: ProcessingConfig) -> t
         "video": video,
         "fetch": fetch, "item_limits": dict(sorted(config.item_limits.items())),
         "video_decode": {"max_decoded_pixels": config.video.max_decoded_pixels,
-                         "apply_rotation": config.video.apply_rotation},
+                         "apply_rotation": config.video.apply_rotation,
+                         "frame_sampling": config.video.frame_sampling.value},
     }
     digest = hashlib.sha256(json.dumps(description, sort_keys=True, default=str).encode()).hexdigest()
     return digest, description
@@ -99,7 +100,8 @@ def load_runtime(model: str | Path, search_path: Sequence[Path], config: Process
     """
     bundle = resolve_bundle(str(model), tuple(search_path))
     tokenizer = load_tokenizer(bundle)
-    family = load_family(bundle, tokenizer, resolve_backend(config.image_backend))
+    family = load_family(bundle, tokenizer, resolve_backend(config.image_backend),
+                         video_sampling=config.video.frame_sampling)
     return ModelRuntime(bundle=bundle, tokenizer=tokenizer, family=family, served_name=bundle.name)
 
 
