@@ -6,7 +6,9 @@ Routes: ``POST /v1/chat/completions`` (stream and non-stream, OpenAI shapes),
 All failures go through one handler that renders the error table
 (:mod:`mmgate.errors`): body ``{"error": {...}}`` plus ``X-SMG-Error-Code``;
 unexpected exceptions become 500 ``internal_error`` without a stack trace in
-the body (it is logged).  Stage timings of each request travel back in the
+the body (it is logged).  The framework's own refusals (an unknown route, a wrong
+method, FastAPI's validation) are codes of the same table (:func:`framework_error`),
+in Anthropic's shape under ``/v1/messages``.  Stage timings of each request travel back in the
 ``X-Mmgate-Stage-Ms`` header (``stage=ms,...``).
 """
 
@@ -23,12 +25,14 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from mmgate import memory, metrics
-from mmgate.api.anthropic import register_anthropic
+from mmgate.api.anthropic import anthropic_error_response, is_anthropic_path, register_anthropic
 from mmgate.api.answer import start_chat
 from mmgate.api.disconnect import until_disconnect
 from mmgate.api.openai_responses import register_responses
@@ -105,6 +109,39 @@ def error_response(exc: GatewayError) -> JSONResponse:
     if exc.spec.retryable:
         headers["Retry-After"] = "2" if exc.code is ErrorCode.MULTIMODAL_INFLIGHT_BUDGET else "1"
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+#: refusals the framework raises itself (Starlette's router: 404 no route, 405 wrong method; FastAPI's request
+#: validation, 422, answered 400 as vLLM's ``api_server`` does) by status -> codes of the one table
+FRAMEWORK_CODES: dict[int, ErrorCode] = {
+    400: ErrorCode.INVALID_REQUEST, 404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED,
+    413: ErrorCode.REQUEST_TOO_LARGE, 415: ErrorCode.UNSUPPORTED_MEDIA_TYPE, 422: ErrorCode.INVALID_REQUEST,
+}
+_FRAMEWORK_MESSAGES = {ErrorCode.NOT_FOUND: "no route for this path",
+                       ErrorCode.METHOD_NOT_ALLOWED: "method not allowed on this path",
+                       ErrorCode.REQUEST_TOO_LARGE: "request body too large",
+                       ErrorCode.UNSUPPORTED_MEDIA_TYPE: "unsupported content type",
+                       ErrorCode.INTERNAL_ERROR: "internal error"}
+
+
+def framework_error(status: int, allow: str | None = None) -> GatewayError:
+    """The error of the table for a refusal of status ``status`` raised by the framework (another 4xx:
+    ``invalid_request``, another 5xx: ``internal_error``); ``allow``: a 405's ``Allow`` header, named in
+    the message.  Never quotes the caller's path or method."""
+    code = FRAMEWORK_CODES.get(status, ErrorCode.INVALID_REQUEST if status < 500 else ErrorCode.INTERNAL_ERROR)
+    message = _FRAMEWORK_MESSAGES.get(code, "invalid request")
+    if code is ErrorCode.METHOD_NOT_ALLOWED and allow:
+        message += f" (allowed: {allow})"
+    return GatewayError(code, message)
+
+
+def render_error(request: Request, exc: GatewayError, headers: dict[str, str] | None = None) -> Response:
+    """:func:`error_response`, in Anthropic's shape on a ``/v1/messages`` path; ``headers`` added (a 405's
+    ``Allow``)."""
+    path = request.scope.get("path", "")
+    response = anthropic_error_response(exc, error_response) if is_anthropic_path(path) else error_response(exc)
+    response.headers.update(headers or {})
+    return response
 
 
 def require_json(request: Request) -> None:
@@ -220,6 +257,15 @@ def create_app(state: GatewayState) -> FastAPI:
     @app.exception_handler(GatewayError)
     async def _gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
         return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _framework(request: Request, exc: StarletteHTTPException) -> Response:
+        headers = dict(exc.headers or {})
+        return render_error(request, framework_error(exc.status_code, headers.get("Allow")), headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, _: RequestValidationError) -> Response:
+        return render_error(request, framework_error(422))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
