@@ -1,7 +1,8 @@
 """A real gRPC vLLM-wire worker on loopback for gateway tests: no model, configurable delay.
 
 It answers HealthCheck / GetModelInfo / GetServerInfo with the labels a test
-asks for, and Generate with one token after ``delay_s``.  Every request's
+asks for, and Generate with one token after ``delay_s`` (streamed: the chunk, then
+the completion ``stream_pause_s`` later).  Every request's
 tensors are decoded the way the reference engine decodes them (shared memory
 read, then unlinked) and kept in ``received`` for the test to compare.
 """
@@ -31,6 +32,7 @@ class Received:
 @dataclass
 class FakeWorkerState:
     delay_s: float = 0.0
+    stream_pause_s: float = 0.0  # a streamed answer: seconds between its chunk and its completion
     fail_with: grpc.StatusCode | None = None
     model_type: str = "qwen2_vl"
     supports_vision: bool = True
@@ -84,6 +86,8 @@ class _Servicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         if request.stream:
             yield vllm_engine_pb2.GenerateResponse(chunk=vllm_engine_pb2.GenerateStreamChunk(
                 token_ids=[9707], prompt_tokens=n, completion_tokens=1))
+            if self.state.stream_pause_s:
+                time.sleep(self.state.stream_pause_s)
         yield vllm_engine_pb2.GenerateResponse(complete=vllm_engine_pb2.GenerateComplete(
             output_ids=[9707], finish_reason="stop", prompt_tokens=n, completion_tokens=1))
 

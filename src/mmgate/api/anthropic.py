@@ -441,10 +441,10 @@ def register_anthropic(app: FastAPI, state: GatewayState, body_limit: int) -> No
         has_system = False
         try:
             async with request_body(state, request, body_limit) as body:
-                req = await parse_off_loop(state, parse_messages_request, body)
+                req = await parse_off_loop(state, parse_messages_request, body.data)
                 has_system = bool(req.system)
                 metrics.REQUESTS.labels(state.runtime.served_name, str(req.stream).lower()).inc()
-                return await until_disconnect(request, answer_messages(state, req))
+                return body.answer(await until_disconnect(request, answer_messages(state, req)))
         except GatewayError as exc:
             return anthropic_error_response(_anthropic_param(exc, has_system), error_response)
         except Exception:

@@ -38,7 +38,7 @@ from mmgate.api.disconnect import until_disconnect
 from mmgate.api.openai_responses import register_responses
 from mmgate.api.output_parsing import output_parsing
 from mmgate.api.protocol import ChatCompletionRequest, parse_chat_request
-from mmgate.api.responses import respond
+from mmgate.api.responses import EngineStreamingResponse, respond
 from mmgate.budget import InflightBudget
 from mmgate.cache import PixelCache
 from mmgate.chat.tokenizer import load_tokenizer
@@ -212,18 +212,46 @@ async def parse_off_loop(state: GatewayState, parse: Callable[[bytes], T], body:
     return await asyncio.get_running_loop().run_in_executor(state.executor, parse, body)
 
 
+@dataclass(slots=True)
+class RequestBody:
+    """A request's body and its hold on the idle trimmer (:meth:`mmgate.memory.IdleTrimmer.hold`).
+
+    The hold ends when the request is done: when its handler returns, or, for a streamed answer handed to
+    :meth:`answer`, when the stream ends, however it ends (finished, failed, the client gone): the parsed
+    request and the prepared tensors live as long as the stream, so a trim before its end returns nothing
+    and none would come after it.
+    """
+
+    data: bytes
+    release: Callable[[], None] | None  # the trimmer's release while this body holds it
+
+    def answer(self, response: Response) -> Response:
+        """``response``; a streamed one takes the hold over and releases it once its stream has ended."""
+        if self.release is not None and isinstance(response, EngineStreamingResponse):
+            response.release_after(self.release)
+            self.release = None
+        return response
+
+    def done(self) -> None:
+        """Release the hold unless a streamed answer took it over (idempotent)."""
+        release, self.release = self.release, None
+        if release is not None:
+            release()
+
+
 @asynccontextmanager
-async def request_body(state: GatewayState, request: Request, limit: int) -> AsyncIterator[bytes]:
+async def request_body(state: GatewayState, request: Request, limit: int) -> AsyncIterator[RequestBody]:
     """The request's body (:func:`read_body` within ``state.settings.http``'s deadlines), held by the idle
     trimmer while the request runs: a large body (a huge prompt) leaves freed heap behind that the
-    trimmer returns once the gateway is idle.  Every POST endpoint reads its body through this."""
-    body = await read_body(request, limit, state.settings.http)
-    untrim = state.budget.trimmer.hold(len(body)) if state.budget.trimmer is not None else None
+    trimmer returns once the gateway is idle.  Every POST endpoint reads its body through this and hands
+    its response to :meth:`RequestBody.answer`, so a streamed answer keeps the hold to its end."""
+    data = await read_body(request, limit, state.settings.http)
+    trimmer = state.budget.trimmer
+    body = RequestBody(data, trimmer.hold(len(data)) if trimmer is not None else None)
     try:
         yield body
     finally:
-        if untrim is not None:
-            untrim()
+        body.done()
 
 
 def body_limit_for(settings: Settings) -> int:
@@ -275,9 +303,9 @@ def create_app(state: GatewayState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         async with request_body(state, request, body_limit) as body:
-            req = await parse_off_loop(state, parse_chat_request, body)
+            req = await parse_off_loop(state, parse_chat_request, body.data)
             metrics.REQUESTS.labels(state.runtime.served_name, str(req.stream).lower()).inc()
-            return await until_disconnect(request, answer_chat(req))
+            return body.answer(await until_disconnect(request, answer_chat(req)))
 
     async def answer_chat(req: ChatCompletionRequest) -> Response:
         answer = await start_chat(state, req)

@@ -473,7 +473,7 @@ def register_responses(app: FastAPI, state: GatewayState, body_limit: int) -> No
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         async with request_body(state, request, body_limit) as body:
-            req = await parse_off_loop(state, parse_responses_request, body)
+            req = await parse_off_loop(state, parse_responses_request, body.data)
             metrics.REQUESTS.labels(state.runtime.served_name, str(req.stream).lower()).inc()
-            return await until_disconnect(request, answer_responses(state, req))
+            return body.answer(await until_disconnect(request, answer_responses(state, req)))
 
