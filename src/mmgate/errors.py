@@ -23,7 +23,7 @@ class ErrorCode(StrEnum):
     """Stable, machine-readable error codes (the ``code`` field and header)."""
 
     INVALID_REQUEST = "invalid_request"
-    NOT_FOUND = "not_found"  # no route for the path (the framework's 404; a model that is not served is MODEL_NOT_FOUND)
+    NOT_FOUND = "not_found"  # no route for the path (the framework's 404; a model not served is MODEL_NOT_FOUND)
     METHOD_NOT_ALLOWED = "method_not_allowed"  # the route exists, not for this method (the answer has ``Allow``)
     REQUEST_TOO_LARGE = "request_too_large"
     REQUEST_TIMEOUT = "request_timeout"  # headers or body did not arrive in time (the connection is closed)

@@ -19,9 +19,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import itertools
 import json
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -168,10 +170,12 @@ def _wait(condition: Callable[[], bool], timeout_s: float) -> bool:
     return condition()
 
 
-@pytest.mark.parametrize("endpoint", list(STREAMED))
-def test_a_streamed_answer_holds_its_body_for_the_trimmer_until_it_ends(
-        paused_gateway: tuple[str, GatewayState, Recorder], endpoint: str) -> None:
-    base, state, rec = paused_gateway
+@contextmanager
+def _streaming(gateway: tuple[str, GatewayState, Recorder], endpoint: str,
+               ) -> Iterator[tuple[IdleTrimmer, int, Iterator[bytes]]]:
+    """A streamed request to ``endpoint`` once the gateway is idle (its trim record cleared), read up to its
+    first chunk: the trimmer, the body's length and the rest of the stream (its first chunk first)."""
+    base, state, rec = gateway
     trimmer = state.budget.trimmer
     assert trimmer is not None and _wait(lambda: trimmer.held == 0, 5)
     rec.calls.clear()
@@ -181,10 +185,18 @@ def test_a_streamed_answer_holds_its_body_for_the_trimmer_until_it_ends(
         assert resp.status_code == 200, resp.read()
         chunks = resp.iter_bytes()
         first = next(chunks)  # the stream has begun: the handler has returned it
+        yield trimmer, len(raw), itertools.chain([first], chunks)
+
+
+@pytest.mark.parametrize("endpoint", list(STREAMED))
+def test_a_streamed_answer_holds_its_body_for_the_trimmer_until_it_ends(
+        paused_gateway: tuple[str, GatewayState, Recorder], endpoint: str) -> None:
+    rec = paused_gateway[2]
+    with _streaming(paused_gateway, endpoint) as (trimmer, body_bytes, events):
         time.sleep(4 * TRIM_DELAY_S)  # the worker is pausing: the stream is open, well past the trim delay
-        assert trimmer.held == len(raw), first + b"".join(chunks)  # the body is still held ...
+        assert trimmer.held == body_bytes, b"".join(events)  # the body is still held ...
         assert rec.calls == []  # ... so no trim ran under the stream
-        b"".join(chunks)
+        b"".join(events)
     assert _wait(lambda: len(rec.calls) == 1, 2)  # once it has ended, the idle trim runs once
     assert trimmer.held == 0
 
@@ -192,17 +204,9 @@ def test_a_streamed_answer_holds_its_body_for_the_trimmer_until_it_ends(
 @pytest.mark.parametrize("endpoint", list(STREAMED))
 def test_a_stream_whose_client_leaves_releases_the_hold(
         paused_gateway: tuple[str, GatewayState, Recorder], endpoint: str) -> None:
-    base, state, rec = paused_gateway
-    trimmer = state.budget.trimmer
-    assert trimmer is not None and _wait(lambda: trimmer.held == 0, 5)
-    rec.calls.clear()
-    raw = json.dumps(STREAMED[endpoint]).encode()
-    with httpx.Client(timeout=30) as client, client.stream(
-            "POST", base + endpoint, content=raw, headers={"content-type": "application/json"}) as resp:
-        assert resp.status_code == 200, resp.read()
-        chunks = resp.iter_bytes()
-        first = next(chunks)
-        assert trimmer.held == len(raw), first + b"".join(chunks)  # the stream's events, if it has ended
+    rec = paused_gateway[2]
+    with _streaming(paused_gateway, endpoint) as (trimmer, body_bytes, events):
+        assert trimmer.held == body_bytes, b"".join(events)  # (the events shown if the stream has ended)
     # the client has closed its connection mid-stream: the hold ends with the stream (at the latest when the
     # worker's next message finds nobody to send it to)
     assert _wait(lambda: trimmer.held == 0, PAUSE_S + 3)

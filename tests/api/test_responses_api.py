@@ -276,7 +276,8 @@ def test_instructions_count_in_the_prompt_length_check(refusing: str) -> None:
     assert expected >= CONTEXT
     resp = _post(refusing, instructions=instructions)
     assert resp.status_code == 400 and _code(resp) == "context_length_exceeded"
-    assert resp.json()["error"]["message"] == f"the prompt has {expected} tokens; the model's context is {CONTEXT} tokens"
+    message = f"the prompt has {expected} tokens; the model's context is {CONTEXT} tokens"
+    assert resp.json()["error"]["message"] == message
     assert _code(_post(refusing)) == "no_healthy_worker"  # the input alone fits
     assert _code(_post(refusing, instructions="a " * 100)) == "no_healthy_worker"
     # past 4 characters per context token (1024) the prompt is counted piecewise: the instructions count there too
