@@ -97,8 +97,11 @@ class FakeWorker:
 
     def __init__(self, state: FakeWorkerState | None = None) -> None:
         self.state = state or FakeWorkerState()
+        # grpc.so_reuseport off: with it (grpc's default) port 0 may be a port another process's gRPC server
+        # already listens on, and the kernel then splits this worker's connections between the two
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16),
-                                  options=[("grpc.max_receive_message_length", 512 * 1024 * 1024)])
+                                  options=[("grpc.max_receive_message_length", 512 * 1024 * 1024),
+                                           ("grpc.so_reuseport", 0)])
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(_Servicer(self.state), self.server)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
