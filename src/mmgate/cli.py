@@ -28,7 +28,7 @@ def serve(argv: Sequence[str]) -> int:
     port (:mod:`mmgate.api.multiproc`); with the default 1 it is the gateway.
 
     Returns 0 after a clean stop, 1 when the server did not start (port taken) or, with ``--workers``,
-    a process kept dying, 2 on a bad model.
+    every process was taken out of rotation for dying too often, 2 on a bad model.
     """
     from mmgate.settings import parse_settings
 

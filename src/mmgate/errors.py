@@ -23,6 +23,8 @@ class ErrorCode(StrEnum):
     """Stable, machine-readable error codes (the ``code`` field and header)."""
 
     INVALID_REQUEST = "invalid_request"
+    NOT_FOUND = "not_found"  # no route for the path (the framework's 404; a model not served is MODEL_NOT_FOUND)
+    METHOD_NOT_ALLOWED = "method_not_allowed"  # the route exists, not for this method (the answer has ``Allow``)
     REQUEST_TOO_LARGE = "request_too_large"
     REQUEST_TIMEOUT = "request_timeout"  # headers or body did not arrive in time (the connection is closed)
     UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"  # a POST body that is not Content-Type: application/json
@@ -73,6 +75,8 @@ _SERVER = "server_error"
 
 ERROR_TABLE: dict[ErrorCode, ErrorSpec] = {
     ErrorCode.INVALID_REQUEST: ErrorSpec(400, False, _INVALID),
+    ErrorCode.NOT_FOUND: ErrorSpec(404, False, _INVALID),
+    ErrorCode.METHOD_NOT_ALLOWED: ErrorSpec(405, False, _INVALID),
     ErrorCode.REQUEST_TOO_LARGE: ErrorSpec(413, False, _INVALID),
     ErrorCode.REQUEST_TIMEOUT: ErrorSpec(408, False, _INVALID),
     ErrorCode.UNSUPPORTED_MEDIA_TYPE: ErrorSpec(415, False, _INVALID),

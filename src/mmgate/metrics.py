@@ -54,6 +54,12 @@ TTFT_SECONDS = Histogram(
     ["model"], registry=REGISTRY, buckets=LATENCY_BUCKETS)
 WORKER_HEALTHY = Gauge("mmgate_worker_healthy", "1 when the worker's last health check passed", ["worker"],
                        registry=REGISTRY)
+#: ``serve --workers N``: process slots taken out of rotation for crashing too often; the parent process writes
+#: it (``mmgate.api.multiproc.publish_quarantined``), every process declares it (0), ``max`` over them is the count
+SERVE_CHILDREN_QUARANTINED_NAME = "mmgate_serve_children_quarantined"
+SERVE_CHILDREN_QUARANTINED_HELP = "serve --workers N: gateway processes taken out of rotation for crashing too often"
+SERVE_CHILDREN_QUARANTINED = Gauge(SERVE_CHILDREN_QUARANTINED_NAME, SERVE_CHILDREN_QUARANTINED_HELP,
+                                   registry=REGISTRY, multiprocess_mode="max")
 
 
 @contextmanager

@@ -2,6 +2,11 @@
 
 * :class:`mmgate.memory.IdleTrimmer`: a large request marks the heap; once nothing is held the
   trim runs once, ``delay_s`` later, and not while requests are still held.
+* Issue 20: a streamed answer (chat completions, responses, messages) keeps its request body's hold on the
+  trimmer until the stream has ended, or the client has left: no trim runs while the stream still holds
+  the request, one runs after it (before, the hold ended when the handler returned the stream, so the trim
+  ran mid-stream, freed nothing, and none came after: 8 MB of Responses ``metadata`` streamed left the idle
+  RSS at 200 MiB against 161).
 * A burst of two dozen large-image requests (1400 x 1400 noise JPEGs as data: URLs, three at a time)
   against ``mmgate serve`` + ``mmgate engine``: afterwards the gateway's idle RSS is back within 10 %
   (+32 MiB) of its idle RSS before the burst (:func:`tests.abuse.support.after_attack`).  Before the
@@ -14,7 +19,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import itertools
+import json
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,8 +33,10 @@ import pytest
 from PIL import Image
 
 from mmgate import memory
+from mmgate.api.app import GatewayState, build_state
 from mmgate.launch import start_gateway
 from mmgate.memory import IdleTrimmer
+from mmgate.settings import Settings
 from tests.abuse.support import (
     DEFAULT_MODEL,
     HealthWatch,
@@ -35,7 +46,8 @@ from tests.abuse.support import (
     running_stack,
     shm_segments,
 )
-from tests.support.fake_worker import FakeWorker
+from tests.support.fake_worker import FakeWorker, FakeWorkerState
+from tests.support.servers import gateway_in_thread
 
 MIB = 1024 * 1024
 
@@ -120,6 +132,85 @@ def test_trim_and_mmap_threshold_reach_glibc() -> None:
     assert memory.configure(0, 0) is None
     trimmer = memory.configure(0, 4 * MIB)
     assert trimmer is not None and trimmer.min_bytes == 4 * MIB
+
+
+STREAMED = {
+    "/v1/chat/completions": {"model": DEFAULT_MODEL, "stream": True, "max_tokens": 4,
+                             "messages": [{"role": "user", "content": "Hi " * 2000}]},
+    "/v1/responses": {"model": DEFAULT_MODEL, "stream": True, "max_output_tokens": 4, "input": "Hi " * 2000,
+                      "metadata": {"k": "v" * 512}},
+    "/v1/messages": {"model": DEFAULT_MODEL, "stream": True, "max_tokens": 4,
+                     "messages": [{"role": "user", "content": "Hi " * 2000}]},
+}
+PAUSE_S = 1.5  # the worker's pause between its streamed chunk and its completion
+TRIM_DELAY_S = 0.1
+
+
+@pytest.fixture(scope="module")
+def paused_gateway() -> Iterator[tuple[str, GatewayState, Recorder]]:
+    """An in-thread gateway in front of a fake worker that pauses mid-stream; its trimmer trims after 0.1 s
+    of idleness after any request (``min_bytes`` 1) and records when."""
+    worker = FakeWorker(FakeWorkerState(stream_pause_s=PAUSE_S))
+    settings = Settings(model=bundle_path(DEFAULT_MODEL), served_model_name=DEFAULT_MODEL,
+                        worker_urls=(worker.url,))
+    state = build_state(settings)
+    rec = Recorder()
+    state.budget.trimmer = IdleTrimmer(min_bytes=1, delay_s=TRIM_DELAY_S, trim_fn=rec)
+    try:
+        with gateway_in_thread(settings, state) as base:
+            yield base, state, rec
+    finally:
+        worker.stop()
+
+
+def _wait(condition: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+@contextmanager
+def _streaming(gateway: tuple[str, GatewayState, Recorder], endpoint: str,
+               ) -> Iterator[tuple[IdleTrimmer, int, Iterator[bytes]]]:
+    """A streamed request to ``endpoint`` once the gateway is idle (its trim record cleared), read up to its
+    first chunk: the trimmer, the body's length and the rest of the stream (its first chunk first)."""
+    base, state, rec = gateway
+    trimmer = state.budget.trimmer
+    assert trimmer is not None and _wait(lambda: trimmer.held == 0, 5)
+    rec.calls.clear()
+    raw = json.dumps(STREAMED[endpoint]).encode()
+    with httpx.Client(timeout=30) as client, client.stream(
+            "POST", base + endpoint, content=raw, headers={"content-type": "application/json"}) as resp:
+        assert resp.status_code == 200, resp.read()
+        chunks = resp.iter_bytes()
+        first = next(chunks)  # the stream has begun: the handler has returned it
+        yield trimmer, len(raw), itertools.chain([first], chunks)
+
+
+@pytest.mark.parametrize("endpoint", list(STREAMED))
+def test_a_streamed_answer_holds_its_body_for_the_trimmer_until_it_ends(
+        paused_gateway: tuple[str, GatewayState, Recorder], endpoint: str) -> None:
+    rec = paused_gateway[2]
+    with _streaming(paused_gateway, endpoint) as (trimmer, body_bytes, events):
+        time.sleep(4 * TRIM_DELAY_S)  # the worker is pausing: the stream is open, well past the trim delay
+        assert trimmer.held == body_bytes, b"".join(events)  # the body is still held ...
+        assert rec.calls == []  # ... so no trim ran under the stream
+        b"".join(events)
+    assert _wait(lambda: len(rec.calls) == 1, 2)  # once it has ended, the idle trim runs once
+    assert trimmer.held == 0
+
+
+@pytest.mark.parametrize("endpoint", list(STREAMED))
+def test_a_stream_whose_client_leaves_releases_the_hold(
+        paused_gateway: tuple[str, GatewayState, Recorder], endpoint: str) -> None:
+    rec = paused_gateway[2]
+    with _streaming(paused_gateway, endpoint) as (trimmer, body_bytes, events):
+        assert trimmer.held == body_bytes, b"".join(events)  # (the events shown if the stream has ended)
+    # the client has closed its connection mid-stream: the hold ends with the stream (at the latest when the
+    # worker's next message finds nobody to send it to)
+    assert _wait(lambda: trimmer.held == 0, PAUSE_S + 3)
+    assert _wait(lambda: len(rec.calls) == 1, 2)
 
 
 def noise_jpeg_body(side: int, seed: int) -> dict[str, object]:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from mmgate.api.app import build_state, create_app
 from mmgate.launch import free_port
 from mmgate.settings import FetchSettings, Settings
 from tests.conftest import bundle_dir
@@ -120,6 +121,65 @@ def test_refusals_are_counted_by_code_in_metrics(qwen3_gateway: str) -> None:
     post(qwen3_gateway, {"model": "no-such/model", "messages": [{"role": "user", "content": "hi"}]})
     text = httpx.get(qwen3_gateway + "/metrics", timeout=10).text
     assert 'mmgate_errors_total{code="model_not_found"}' in text
+
+
+def test_an_unknown_route_is_404_not_found_in_the_error_shape(qwen3_gateway: str) -> None:
+    for method, path in (("GET", "/v1/nothing"), ("POST", "/v1/completions"), ("GET", "/")):
+        resp = httpx.request(method, qwen3_gateway + path, timeout=10)
+        assert_refused(resp, 404, "not_found")
+        assert "nothing" not in resp.text  # the caller's path is not quoted
+
+
+def test_a_wrong_method_is_405_method_not_allowed_with_allow(qwen3_gateway: str) -> None:
+    for method, path, allow in (("GET", "/v1/chat/completions", "POST"), ("PUT", "/v1/responses", "POST"),
+                                ("POST", "/health", "GET"), ("DELETE", "/v1/models", "GET")):
+        resp = httpx.request(method, qwen3_gateway + path, timeout=10)
+        assert_refused(resp, 405, "method_not_allowed")
+        assert resp.headers["Allow"] == allow
+        assert resp.json()["error"]["message"] == f"method not allowed on this path (allowed: {allow})"
+
+
+def test_a_body_that_is_not_json_is_415_on_every_post_route(qwen3_gateway: str) -> None:
+    for path in ("/v1/chat/completions", "/v1/responses"):
+        resp = httpx.post(qwen3_gateway + path, content=b"model=m", timeout=10,
+                          headers={"content-type": "application/x-www-form-urlencoded"})
+        assert_refused(resp, 415, "unsupported_media_type")
+
+
+def _anthropic_refused(resp: httpx.Response, status: int, kind: str, code: str) -> None:
+    assert resp.status_code == status, resp.text
+    assert resp.headers["X-SMG-Error-Code"] == code
+    body = resp.json()
+    assert body["type"] == "error" and body["error"]["type"] == kind and set(body["error"]) == {"type", "message"}
+
+
+def test_framework_refusals_under_v1_messages_take_anthropic_shape(qwen3_gateway: str) -> None:
+    resp = httpx.get(qwen3_gateway + "/v1/messages", timeout=10)
+    _anthropic_refused(resp, 405, "invalid_request_error", "method_not_allowed")
+    assert resp.headers["Allow"] == "POST"
+    resp = httpx.post(qwen3_gateway + "/v1/messages/count_tokens", json={}, timeout=10)
+    _anthropic_refused(resp, 404, "not_found_error", "not_found")
+    resp = httpx.post(qwen3_gateway + "/v1/messages", content=b"x", timeout=10, headers={"content-type": "text/plain"})
+    _anthropic_refused(resp, 415, "invalid_request_error", "unsupported_media_type")
+    # /v1/messagesX is not under /v1/messages: the gateway's own shape
+    assert_refused(httpx.get(qwen3_gateway + "/v1/messagesX", timeout=10), 404, "not_found")
+
+
+def test_a_validation_error_of_the_framework_is_400_invalid_request() -> None:
+    """FastAPI's 422 (a route with typed parameters; the gateway's routes take the raw request, so a test
+    route stands in) is answered 400 ``invalid_request``, as vLLM's server answers it."""
+    settings = settings_for(bundle_dir("Qwen/Qwen3-VL-2B-Instruct"))
+    app = create_app(build_state(settings))
+
+    @app.get("/typed")
+    async def typed(n: int) -> dict[str, int]:
+        return {"n": n}
+
+    with gateway_in_thread(settings, app=app) as base:
+        assert httpx.get(base + "/typed", params={"n": "3"}, timeout=10).json() == {"n": 3}
+        resp = httpx.get(base + "/typed", params={"n": "three"}, timeout=10)
+        assert_refused(resp, 400, "invalid_request")
+        assert "three" not in resp.text
 
 
 @pytest.fixture(scope="module")

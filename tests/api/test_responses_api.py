@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 from collections.abc import Iterator
 
+import httpx
 import numpy as np
 import openai
 import pytest
 from PIL import Image
 
+from mmgate.launch import free_port
+from mmgate.settings import Settings
 from tests.abuse.support import DEFAULT_MODEL as MODEL
 from tests.abuse.support import Stack, running_stack
 from tests.conftest import bundle_dir
-from tests.support.servers import MediaOrigin, media_origin
+from tests.support.servers import MediaOrigin, gateway_in_thread, media_origin
 
 INSTRUCTIONS = "Answer briefly."
 QUESTION = "Compare these two pictures."
@@ -211,3 +215,115 @@ def test_pipeline_errors_name_the_responses_field(served: tuple[Stack, MediaOrig
     assert error["code"] == "unsupported_media_url_scheme"
     # the chat endpoint names messages[1].content[1] (instructions are message 0)
     assert error["param"] == "input[0].content[1]"
+
+
+# ---- bounds (issue 20) ----------------------------------------------------------------------------
+
+CONTEXT = 256  # --max-model-len of the refusing gateway
+
+
+@pytest.fixture(scope="module")
+def refusing() -> Iterator[str]:
+    settings = Settings(model=str(bundle_dir(MODEL)), served_model_name=MODEL, max_model_len=CONTEXT,
+                        worker_urls=(f"grpc://127.0.0.1:{free_port()}",))
+    with gateway_in_thread(settings) as base:
+        yield base
+
+
+def _post(base: str, **fields: object) -> httpx.Response:
+    return httpx.post(base + "/v1/responses", json={"model": MODEL, "input": "Hi", **fields}, timeout=30)
+
+
+def _code(resp: httpx.Response) -> str:
+    assert resp.headers["X-SMG-Error-Code"] == resp.json()["error"]["code"]
+    return str(resp.json()["error"]["code"])
+
+
+@pytest.mark.parametrize(("metadata", "message"), [
+    ({f"k{i}": "v" for i in range(17)}, "metadata takes at most 16 keys"),
+    ({"secret-" + "k" * 58: "v"}, "a metadata key takes at most 64 characters"),  # 65 characters
+    ({"k": "v" * 513}, "a metadata value takes at most 512 characters"),
+    ({"k": 1}, "metadata values must be strings"),
+    ({"k": True}, "metadata values must be strings"),
+    ({"k": None}, "metadata values must be strings"),
+    ({"k": {"nested": "v"}}, "metadata values must be strings"),
+    (["k", "v"], "metadata must be an object of string values"),
+])
+def test_metadata_past_openais_bounds_is_refused(refusing: str, metadata: object, message: str) -> None:
+    resp = _post(refusing, metadata=metadata)
+    assert resp.status_code == 400 and _code(resp) == "invalid_request"
+    error = resp.json()["error"]
+    assert error["param"] == "metadata" and error["message"] == message
+    assert "secret" not in resp.text  # a caller's key is never quoted
+
+
+def test_metadata_at_openais_bounds_is_accepted(refusing: str) -> None:
+    largest = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}  # 16 keys of 64 characters, values of 512
+    assert {len(k) for k in largest} == {64}
+    for metadata in (largest, {}, None, {"k": ""}):
+        resp = _post(refusing, metadata=metadata)
+        assert resp.status_code == 503 and _code(resp) == "no_healthy_worker"  # past every check: the engine
+
+
+def test_instructions_count_in_the_prompt_length_check(refusing: str) -> None:
+    from transformers import AutoTokenizer
+
+    instructions = "a " * 260  # ~260 tokens in 520 characters: over a 256-token context only as the system message
+    tokenizer = AutoTokenizer.from_pretrained(bundle_dir(MODEL))
+    expected = len(tokenizer.apply_chat_template(
+        [{"role": "system", "content": instructions}, {"role": "user", "content": "Hi"}],
+        add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    assert expected >= CONTEXT
+    resp = _post(refusing, instructions=instructions)
+    assert resp.status_code == 400 and _code(resp) == "context_length_exceeded"
+    message = f"the prompt has {expected} tokens; the model's context is {CONTEXT} tokens"
+    assert resp.json()["error"]["message"] == message
+    assert _code(_post(refusing)) == "no_healthy_worker"  # the input alone fits
+    assert _code(_post(refusing, instructions="a " * 100)) == "no_healthy_worker"
+    # past 4 characters per context token (1024) the prompt is counted piecewise: the instructions count there too
+    resp = _post(refusing, instructions="word " * 300)
+    assert resp.status_code == 400 and _code(resp) == "context_length_exceeded"
+    assert resp.json()["error"]["message"] == f"the prompt is longer than the model's context of {CONTEXT} tokens"
+
+
+def test_instructions_count_in_the_character_pre_check(refusing: str) -> None:
+    # the pre-check bound: 256 tokens x 128 characters (Qwen's longest vocabulary entry) x 4 (normalization)
+    bound = CONTEXT * 128 * 4
+    resp = _post(refusing, instructions="x" * (bound + 1))
+    assert resp.status_code == 400 and _code(resp) == "context_length_exceeded"
+    assert resp.json()["error"]["message"] == (
+        f"the messages are longer than the model's context of {CONTEXT} tokens can hold")  # refused untokenized
+
+
+def _sse(raw: bytes) -> list[dict[str, object]]:
+    return [json.loads(line[len(b"data: "):]) for line in raw.split(b"\n") if line.startswith(b"data: ")]
+
+
+def test_a_stream_echoes_instructions_once_and_bounded_metadata_in_each_response(
+        served: tuple[Stack, MediaOrigin, openai.OpenAI]) -> None:
+    stack, _, client = served
+    marker = "MARKER-7f3a"
+    instructions = marker + " " + "word " * 2000  # ~10 KB, ~2000 tokens
+    metadata = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}  # OpenAI's largest
+    request = json.dumps({"model": MODEL, "input": "Hi", "instructions": instructions, "metadata": metadata,
+                          "max_output_tokens": 4, "temperature": 0, "stream": True}).encode()
+    with httpx.stream("POST", stack.base + "/v1/responses", content=request, timeout=120,
+                      headers={"content-type": "application/json"}) as resp:
+        assert resp.status_code == 200
+        raw = resp.read()
+    events = _sse(raw)
+    responses = {str(e["type"]): e["response"] for e in events if "response" in e}
+    assert list(responses) == ["response.created", "response.in_progress", str(events[-1]["type"])]
+    final = responses.pop(str(events[-1]["type"]))
+    assert isinstance(final, dict) and final["instructions"] == instructions and final["metadata"] == metadata
+    for early in responses.values():
+        assert isinstance(early, dict) and early["instructions"] is None and early["metadata"] == metadata
+    assert raw.count(marker.encode()) == 1  # the instructions once ...
+    metadata_bytes = len(json.dumps(metadata, separators=(",", ":")))
+    # ... metadata in each of the 3 responses, and 8 KB for the events' own fields and 4 tokens of text
+    assert len(raw) <= len(instructions) + 3 * metadata_bytes + 8192, (len(raw), len(request))
+    # the client's own view: the streamed final response carries what the whole one does
+    whole = client.responses.create(model=MODEL, input="Hi", instructions=instructions, metadata=metadata,
+                                    max_output_tokens=4, temperature=0)
+    assert whole.instructions == instructions and whole.metadata == metadata
+    assert whole.usage is not None and final["usage"]["input_tokens"] == whole.usage.input_tokens  # type: ignore[index]

@@ -7,6 +7,10 @@
 * Life cycle: ``--workers 1`` starts no other process; a child killed with SIGKILL is started again and its
   shared-memory segments are unlinked; SIGTERM to the parent stops every child and leaves no
   ``/dev/shm/mmgate-<child pid>-*`` segment and no metrics folder; SIGKILL to the parent leaves no child.
+* Crash loops (issue 20): a process slot whose child dies more than ``MAX_RESTARTS`` times within
+  ``RESTART_WINDOW_S`` (the test kills it by pid, found by its ``--index``) is taken out of rotation, logged
+  and counted in ``mmgate_serve_children_quarantined``, while the other child serves on the port and the
+  parent stays up; once every slot is out, the parent exits with status 1.
 * Refusals: ``--workers 0`` / ``MMGATE_WORKERS=0`` / ``--workers two`` stop start-up; a bad model stops a
   two-process start-up with status 2, and a taken port with status 1, as ``mmgate serve``.
 * ``--preprocess-threads 0`` (one thread per core) gives each process its share of the cores.
@@ -33,7 +37,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmgate.api.multiproc import METRICS_PREFIX, PROCESS_HEADER
+from mmgate.api.multiproc import MAX_RESTARTS, METRICS_PREFIX, PROCESS_HEADER
 from mmgate.api.serve_child import process_settings
 from mmgate.launch import Child, start_gateway, wait_processes
 from mmgate.refengine.config import EngineConfig
@@ -183,6 +187,69 @@ def test_a_child_that_dies_is_started_again_and_its_segments_unlinked(two: Child
     assert not planted.exists()
     wait_processes(two, 2, want_workers=1)
     assert _post(two, BODY).status_code == 200
+
+
+def _slot_of(pid: int) -> int | None:
+    """The ``--index`` a gateway child was started with (None: not a gateway child, or gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = f.read().decode().split("\0")
+    except OSError:
+        return None
+    return int(args[args.index("--index") + 1]) if "--index" in args else None
+
+
+def _slot_pid(parent: int, index: int, old: set[int], timeout_s: float = 30.0) -> int | None:
+    """The pid of slot ``index``'s child once it is not one of ``old`` (None when none came in time)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for pid in _children(parent) - old:
+            if _slot_of(pid) == index:
+                return pid
+        time.sleep(0.05)
+    return None
+
+
+def _crash_loop(gateway: Child, index: int) -> None:
+    """Kill slot ``index``'s child as soon as it is (re)started, MAX_RESTARTS + 1 times: within seconds, far
+    inside the restart window."""
+    killed: set[int] = set()
+    for _ in range(MAX_RESTARTS + 1):
+        pid = _slot_pid(gateway.proc.pid, index, killed)
+        assert pid is not None, f"slot {index} was not started again:\n{gateway.log_tail()}"
+        os.kill(pid, signal.SIGKILL)
+        killed.add(pid)
+
+
+def _quarantined(child: Child) -> float:
+    text = httpx.get(f"http://127.0.0.1:{child.port}/metrics", timeout=5).text
+    return float(re.findall(r"^mmgate_serve_children_quarantined (\S+)$", text, re.MULTILINE)[0])
+
+
+def test_a_crash_looping_child_is_taken_out_of_rotation_and_the_last_one_stops_the_parent(
+        engine: RunningEngine, tmp_path: Path) -> None:
+    gateway = start_gateway(str(bundle_dir(MODEL)), [engine.port], extra=["--served-model-name", MODEL],
+                            processes=2, log_dir=tmp_path)
+    try:
+        children = _children(gateway.proc.pid)
+        survivor = next(pid for pid in children if _slot_of(pid) == 1)
+        assert _quarantined(gateway) == 0
+        _crash_loop(gateway, 0)
+        assert _slot_pid(gateway.proc.pid, 0, set(), timeout_s=3) is None  # not started again
+        assert gateway.proc.poll() is None  # the parent serves on
+        assert _children(gateway.proc.pid) == {survivor}
+        for _ in range(6):  # new connections: the kernel has only the survivor's socket left
+            resp = _post(gateway, BODY)
+            assert resp.status_code == 200 and int(resp.headers[PROCESS_HEADER]) == survivor
+        assert _quarantined(gateway) == 1
+        assert "gateway process 0 taken out of rotation: it exited 6 times within 60 s; 1 of 2 processes serve on" \
+            in gateway.log_tail(20000)
+        _crash_loop(gateway, 1)
+        assert gateway.proc.wait(timeout=30) == 1  # no child can serve: the parent exits
+        assert "every gateway process is out of rotation: stopping" in gateway.log_tail(20000)
+        assert _children(gateway.proc.pid) == set()
+    finally:
+        gateway.stop()
 
 
 def test_sigterm_stops_every_process_and_leaves_no_segment(engine: RunningEngine) -> None:

@@ -1,7 +1,8 @@
 """A real gRPC vLLM-wire worker on loopback for gateway tests: no model, configurable delay.
 
 It answers HealthCheck / GetModelInfo / GetServerInfo with the labels a test
-asks for, and Generate with one token after ``delay_s``.  Every request's
+asks for, and Generate with one token after ``delay_s`` (streamed: the chunk, then
+the completion ``stream_pause_s`` later).  Every request's
 tensors are decoded the way the reference engine decodes them (shared memory
 read, then unlinked) and kept in ``received`` for the test to compare.
 """
@@ -31,6 +32,7 @@ class Received:
 @dataclass
 class FakeWorkerState:
     delay_s: float = 0.0
+    stream_pause_s: float = 0.0  # a streamed answer: seconds between its chunk and its completion
     fail_with: grpc.StatusCode | None = None
     model_type: str = "qwen2_vl"
     supports_vision: bool = True
@@ -84,6 +86,8 @@ class _Servicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         if request.stream:
             yield vllm_engine_pb2.GenerateResponse(chunk=vllm_engine_pb2.GenerateStreamChunk(
                 token_ids=[9707], prompt_tokens=n, completion_tokens=1))
+            if self.state.stream_pause_s:
+                time.sleep(self.state.stream_pause_s)
         yield vllm_engine_pb2.GenerateResponse(complete=vllm_engine_pb2.GenerateComplete(
             output_ids=[9707], finish_reason="stop", prompt_tokens=n, completion_tokens=1))
 
@@ -93,8 +97,11 @@ class FakeWorker:
 
     def __init__(self, state: FakeWorkerState | None = None) -> None:
         self.state = state or FakeWorkerState()
+        # grpc.so_reuseport off: with it (grpc's default) port 0 may be a port another process's gRPC server
+        # already listens on, and the kernel then splits this worker's connections between the two
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16),
-                                  options=[("grpc.max_receive_message_length", 512 * 1024 * 1024)])
+                                  options=[("grpc.max_receive_message_length", 512 * 1024 * 1024),
+                                           ("grpc.so_reuseport", 0)])
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(_Servicer(self.state), self.server)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()

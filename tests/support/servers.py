@@ -12,8 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import uvicorn
+from fastapi import FastAPI
 
-from mmgate.api.app import build_state, create_app
+from mmgate.api.app import GatewayState, build_state, create_app
 from mmgate.api.server import uvicorn_config
 from mmgate.launch import free_port, gateway_answers
 from mmgate.settings import Settings
@@ -68,11 +69,13 @@ def media_origin() -> Iterator[MediaOrigin]:
 
 
 @contextmanager
-def gateway_in_thread(settings: Settings) -> Iterator[str]:
+def gateway_in_thread(settings: Settings, state: GatewayState | None = None,
+                      app: FastAPI | None = None) -> Iterator[str]:
     """Run the real gateway app on loopback in a thread, under the same uvicorn config as ``mmgate serve``
-    (:func:`mmgate.api.server.uvicorn_config`); yields its base URL."""
+    (:func:`mmgate.api.server.uvicorn_config`); yields its base URL.  ``state``: one the test built (to look
+    into it while requests run); ``app``: an app the test built over it (to add a route)."""
     port = free_port()
-    app = create_app(build_state(settings))
+    app = app or create_app(state or build_state(settings))
     server = uvicorn.Server(uvicorn_config(app, settings, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

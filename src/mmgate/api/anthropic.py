@@ -243,6 +243,15 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                503: "overloaded_error", 529: "overloaded_error"}
 
 
+#: the Messages route; every path at or under it answers errors in Anthropic's shape
+MESSAGES_PATH = "/v1/messages"
+
+
+def is_anthropic_path(path: str) -> bool:
+    """Whether errors on ``path`` take Anthropic's shape (``/v1/messages`` and any path under it)."""
+    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+
+
 def anthropic_error_body(exc: GatewayError) -> dict[str, Any]:
     """``{"type": "error", "error": {"type", "message"}}`` for ``exc`` (its param appended to the message)."""
     kind = ERROR_TYPES.get(exc.status, "invalid_request_error" if exc.status < 500 else "api_error")
@@ -427,15 +436,15 @@ def register_anthropic(app: FastAPI, state: GatewayState, body_limit: int) -> No
         request_body,
     )
 
-    @app.post("/v1/messages")
+    @app.post(MESSAGES_PATH)
     async def messages(request: Request) -> Response:
         has_system = False
         try:
             async with request_body(state, request, body_limit) as body:
-                req = await parse_off_loop(state, parse_messages_request, body)
+                req = await parse_off_loop(state, parse_messages_request, body.data)
                 has_system = bool(req.system)
                 metrics.REQUESTS.labels(state.runtime.served_name, str(req.stream).lower()).inc()
-                return await until_disconnect(request, answer_messages(state, req))
+                return body.answer(await until_disconnect(request, answer_messages(state, req)))
         except GatewayError as exc:
             return anthropic_error_response(_anthropic_param(exc, has_system), error_response)
         except Exception:

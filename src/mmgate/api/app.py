@@ -6,7 +6,9 @@ Routes: ``POST /v1/chat/completions`` (stream and non-stream, OpenAI shapes),
 All failures go through one handler that renders the error table
 (:mod:`mmgate.errors`): body ``{"error": {...}}`` plus ``X-SMG-Error-Code``;
 unexpected exceptions become 500 ``internal_error`` without a stack trace in
-the body (it is logged).  Stage timings of each request travel back in the
+the body (it is logged).  The framework's own refusals (an unknown route, a wrong
+method, FastAPI's validation) are codes of the same table (:func:`framework_error`),
+in Anthropic's shape under ``/v1/messages``.  Stage timings of each request travel back in the
 ``X-Mmgate-Stage-Ms`` header (``stage=ms,...``).
 """
 
@@ -24,18 +26,20 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from mmgate import memory, metrics
-from mmgate.api.anthropic import register_anthropic
+from mmgate.api.anthropic import anthropic_error_response, is_anthropic_path, register_anthropic
 from mmgate.api.answer import start_chat
 from mmgate.api.disconnect import until_disconnect
 from mmgate.api.openai_responses import register_responses
 from mmgate.api.output_parsing import output_parsing
 from mmgate.api.protocol import ChatCompletionRequest, parse_chat_request
-from mmgate.api.responses import respond
+from mmgate.api.responses import EngineStreamingResponse, respond
 from mmgate.budget import InflightBudget
 from mmgate.cache import PixelCache
 from mmgate.chat.tokenizer import load_tokenizer
@@ -109,6 +113,39 @@ def error_response(exc: GatewayError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
+#: refusals the framework raises itself (Starlette's router: 404 no route, 405 wrong method; FastAPI's request
+#: validation, 422, answered 400 as vLLM's ``api_server`` does) by status -> codes of the one table
+FRAMEWORK_CODES: dict[int, ErrorCode] = {
+    400: ErrorCode.INVALID_REQUEST, 404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED,
+    413: ErrorCode.REQUEST_TOO_LARGE, 415: ErrorCode.UNSUPPORTED_MEDIA_TYPE, 422: ErrorCode.INVALID_REQUEST,
+}
+_FRAMEWORK_MESSAGES = {ErrorCode.NOT_FOUND: "no route for this path",
+                       ErrorCode.METHOD_NOT_ALLOWED: "method not allowed on this path",
+                       ErrorCode.REQUEST_TOO_LARGE: "request body too large",
+                       ErrorCode.UNSUPPORTED_MEDIA_TYPE: "unsupported content type",
+                       ErrorCode.INTERNAL_ERROR: "internal error"}
+
+
+def framework_error(status: int, allow: str | None = None) -> GatewayError:
+    """The error of the table for a refusal of status ``status`` raised by the framework (another 4xx:
+    ``invalid_request``, another 5xx: ``internal_error``); ``allow``: a 405's ``Allow`` header, named in
+    the message.  Never quotes the caller's path or method."""
+    code = FRAMEWORK_CODES.get(status, ErrorCode.INVALID_REQUEST if status < 500 else ErrorCode.INTERNAL_ERROR)
+    message = _FRAMEWORK_MESSAGES.get(code, "invalid request")
+    if code is ErrorCode.METHOD_NOT_ALLOWED and allow:
+        message += f" (allowed: {allow})"
+    return GatewayError(code, message)
+
+
+def render_error(request: Request, exc: GatewayError, headers: dict[str, str] | None = None) -> Response:
+    """:func:`error_response`, in Anthropic's shape on a ``/v1/messages`` path; ``headers`` added (a 405's
+    ``Allow``)."""
+    path = request.scope.get("path", "")
+    response = anthropic_error_response(exc, error_response) if is_anthropic_path(path) else error_response(exc)
+    response.headers.update(headers or {})
+    return response
+
+
 def require_json(request: Request) -> None:
     """Refuse a body that is not ``Content-Type: application/json`` (parameters such as ``charset`` allowed).
 
@@ -177,18 +214,46 @@ async def parse_off_loop(state: GatewayState, parse: Callable[[bytes], T], body:
     return await asyncio.get_running_loop().run_in_executor(state.executor, parse, body)
 
 
+@dataclass(slots=True)
+class RequestBody:
+    """A request's body and its hold on the idle trimmer (:meth:`mmgate.memory.IdleTrimmer.hold`).
+
+    The hold ends when the request is done: when its handler returns, or, for a streamed answer handed to
+    :meth:`answer`, when the stream ends, however it ends (finished, failed, the client gone): the parsed
+    request and the prepared tensors live as long as the stream, so a trim before its end returns nothing
+    and none would come after it.
+    """
+
+    data: bytes
+    release: Callable[[], None] | None  # the trimmer's release while this body holds it
+
+    def answer(self, response: Response) -> Response:
+        """``response``; a streamed one takes the hold over and releases it once its stream has ended."""
+        if self.release is not None and isinstance(response, EngineStreamingResponse):
+            response.release_after(self.release)
+            self.release = None
+        return response
+
+    def done(self) -> None:
+        """Release the hold unless a streamed answer took it over (idempotent)."""
+        release, self.release = self.release, None
+        if release is not None:
+            release()
+
+
 @asynccontextmanager
-async def request_body(state: GatewayState, request: Request, limit: int) -> AsyncIterator[bytes]:
+async def request_body(state: GatewayState, request: Request, limit: int) -> AsyncIterator[RequestBody]:
     """The request's body (:func:`read_body` within ``state.settings.http``'s deadlines), held by the idle
     trimmer while the request runs: a large body (a huge prompt) leaves freed heap behind that the
-    trimmer returns once the gateway is idle.  Every POST endpoint reads its body through this."""
-    body = await read_body(request, limit, state.settings.http)
-    untrim = state.budget.trimmer.hold(len(body)) if state.budget.trimmer is not None else None
+    trimmer returns once the gateway is idle.  Every POST endpoint reads its body through this and hands
+    its response to :meth:`RequestBody.answer`, so a streamed answer keeps the hold to its end."""
+    data = await read_body(request, limit, state.settings.http)
+    trimmer = state.budget.trimmer
+    body = RequestBody(data, trimmer.hold(len(data)) if trimmer is not None else None)
     try:
         yield body
     finally:
-        if untrim is not None:
-            untrim()
+        body.done()
 
 
 def body_limit_for(settings: Settings) -> int:
@@ -223,6 +288,15 @@ def create_app(state: GatewayState) -> FastAPI:
     async def _gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
         return error_response(exc)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _framework(request: Request, exc: StarletteHTTPException) -> Response:
+        headers = dict(exc.headers or {})
+        return render_error(request, framework_error(exc.status_code, headers.get("Allow")), headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, _: RequestValidationError) -> Response:
+        return render_error(request, framework_error(422))
+
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error")
@@ -231,9 +305,10 @@ def create_app(state: GatewayState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         async with request_body(state, request, body_limit) as body:
-            req = await parse_off_loop(state, partial(parse_chat_request, limits=state.settings.constraints), body)
+            req = await parse_off_loop(state, partial(parse_chat_request, limits=state.settings.constraints),
+                                       body.data)
             metrics.REQUESTS.labels(state.runtime.served_name, str(req.stream).lower()).inc()
-            return await until_disconnect(request, answer_chat(req))
+            return body.answer(await until_disconnect(request, answer_chat(req)))
 
     async def answer_chat(req: ChatCompletionRequest) -> Response:
         answer = await start_chat(state, req)

@@ -22,9 +22,13 @@ The parent (:class:`Supervisor`) holds no model, no event loop and no connection
   written it; a child that exits first stops the others and the parent exits with its status
   (2: bad model, as ``mmgate serve``).
 * run: a child that exits while the parent is not stopping is started again on a new socket of
-  the same port (its half-served connections are lost; the others keep serving).  More than
-  :data:`MAX_RESTARTS` restarts of one slot within :data:`RESTART_WINDOW_S` seconds stop the
-  gateway with status 1.
+  the same port (its half-served connections are lost; the others keep serving).  A slot whose
+  child exits more than :data:`MAX_RESTARTS` times within :data:`RESTART_WINDOW_S` seconds (or that
+  cannot be started again) is *quarantined*: taken out of rotation until the gateway restarts (its
+  socket left the port group with its last child, so the kernel hands its share of new
+  connections to the others), logged at ERROR and counted in the ``mmgate_serve_children_quarantined``
+  gauge, while the healthy children keep serving.  The parent exits with status 1 only when every
+  slot is quarantined: no child can serve.
 * stop (SIGTERM or SIGINT): SIGTERM to every child (uvicorn's graceful shutdown: in-flight
   requests finish), SIGKILL after :data:`STOP_GRACE_S`; then the ``/dev/shm/mmgate-<pid>-*``
   segments of every dead child are unlinked and the metrics folder removed.  Status 0.  (After
@@ -38,7 +42,9 @@ Per process (docs/performance.md): the in-flight budget, the pixel cache, worker
 probes and ``/health``, ``/workers``.  Shared: ``/metrics`` — the children run
 prometheus_client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``, a private temporary
 folder the parent makes and removes), and any child answers ``GET /metrics`` with the sum over
-all of them (counters and histograms summed; gauges one series per process, ``pid`` label).
+all of them (counters and histograms summed; gauges one series per process, ``pid`` label).  The
+parent's one metric, ``mmgate_serve_children_quarantined`` (a ``max`` gauge: one series, no ``pid``),
+is written by the parent into the same folder (:func:`publish_quarantined`).
 Each child adds ``X-Mmgate-Process: <pid>`` to its responses.
 """
 
@@ -67,7 +73,7 @@ from mmgate.transport.shm import pid_alive
 
 log = logging.getLogger("mmgate.multiproc")
 
-#: restarts of one slot within :data:`RESTART_WINDOW_S` seconds past which the gateway stops (status 1)
+#: restarts of one slot within :data:`RESTART_WINDOW_S` seconds past which the slot is quarantined
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
 #: seconds children get to finish in-flight requests after SIGTERM before SIGKILL
@@ -126,6 +132,7 @@ class _Slot:
     ready_fd: int = -1  # the parent's read end of the child's ready pipe; -1 once read or closed
     ready: bool = False
     restarts: deque[float] = field(default_factory=deque)
+    quarantined: bool = False  # out of rotation: never started again
 
 
 class Supervisor:
@@ -227,14 +234,14 @@ class Supervisor:
         return None
 
     def _supervise(self) -> int:
-        """Restart children that exit until stopped; 0, or 1 when a slot restarts too often."""
+        """Restart children that exit until stopped; 0, or 1 once every slot is quarantined."""
         while not self.stopping.is_set():
             self._poll_ready(_POLL_S)
             for slot in self.slots:
                 code = slot.proc.poll() if slot.proc is not None else None
                 if code is None or self.stopping.is_set():
                     continue
-                log.error("gateway process %d (pid %d) exited with status %d; starting it again", slot.index,
+                log.error("gateway process %d (pid %d) exited with status %d", slot.index,
                           slot.proc.pid if slot.proc else -1, code)
                 self._reap(slot)
                 now = time.monotonic()
@@ -242,15 +249,26 @@ class Supervisor:
                 while slot.restarts and now - slot.restarts[0] > RESTART_WINDOW_S:
                     slot.restarts.popleft()
                 if len(slot.restarts) > MAX_RESTARTS:
-                    log.error("gateway process %d restarted %d times within %g s: stopping", slot.index,
-                              len(slot.restarts), RESTART_WINDOW_S)
-                    return 1
-                try:
-                    self._spawn(slot)
-                except OSError as exc:
-                    log.error("cannot start gateway process %d again: %s", slot.index, exc)
+                    self._quarantine(slot, f"it exited {len(slot.restarts)} times within {RESTART_WINDOW_S:g} s")
+                else:
+                    try:
+                        self._spawn(slot)
+                        log.info("gateway process %d started again (pid %d)", slot.index,
+                                 slot.proc.pid if slot.proc else -1)
+                    except OSError as exc:
+                        self._quarantine(slot, f"it cannot be started again: {exc}")
+                if all(s.quarantined for s in self.slots):
+                    log.error("every gateway process is out of rotation: stopping")
                     return 1
         return 0
+
+    def _quarantine(self, slot: _Slot, why: str) -> None:
+        """Take ``slot`` out of rotation (its child is reaped): log, and publish the count."""
+        slot.quarantined = True
+        serving = sum(1 for s in self.slots if not s.quarantined)
+        log.error("gateway process %d taken out of rotation: %s; %d of %d processes serve on", slot.index, why,
+                  serving, len(self.slots))
+        publish_quarantined(self._metrics_dir, len(self.slots) - serving)
 
     def _reap(self, slot: _Slot) -> None:
         """Forget a dead child: close its ready pipe, unlink its shm segments, retire its metrics files."""
@@ -286,6 +304,28 @@ class Supervisor:
                 slot.proc.kill()
                 slot.proc.wait()
             self._reap(slot)
+
+
+def publish_quarantined(metrics_dir: str, count: int) -> None:
+    """Set ``mmgate_serve_children_quarantined`` to ``count`` for every child's ``GET /metrics``.
+
+    The parent runs no event loop and no prometheus registry: it writes its value into the multiprocess
+    folder as prometheus_client's own multiprocess gauge would (``gauge_max_<parent pid>.db``, the key of
+    ``prometheus_client.values.MultiProcessValue``); the children declare the same gauge with
+    ``multiprocess_mode="max"`` (value 0), so the sum over the folder shows the parent's count.
+    """
+    if not metrics_dir:
+        return
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+    from mmgate.metrics import SERVE_CHILDREN_QUARANTINED_HELP as HELP
+    from mmgate.metrics import SERVE_CHILDREN_QUARANTINED_NAME as NAME
+
+    values = MmapedDict(str(Path(metrics_dir) / f"gauge_max_{os.getpid()}.db"))
+    try:
+        values.write_value(mmap_key(NAME, NAME, [], [], HELP), float(count), 0.0)
+    finally:
+        values.close()
 
 
 def retire_metrics(metrics_dir: str, pid: int) -> None:

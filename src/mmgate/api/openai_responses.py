@@ -14,8 +14,13 @@ conversation.  The text is detokenized by the chat endpoint's :class:`~mmgate.ap
 
 Invariants: every top-level field, item type and part type outside the supported set is refused
 with 400 ``invalid_request`` naming it (``store`` is accepted and ignored: nothing is stored, as
-vLLM does without ``VLLM_ENABLE_RESPONSES_API_STORE``; ``metadata`` is echoed back); errors of the
-pipeline name the Responses field (``input[0].content[1].image_url``), not the chat one.  A
+vLLM does without ``VLLM_ENABLE_RESPONSES_API_STORE``; ``metadata`` is echoed back, within OpenAI's
+bounds: :data:`MAX_METADATA_KEYS` keys of at most :data:`MAX_METADATA_KEY_CHARS` characters, string
+values of at most :data:`MAX_METADATA_VALUE_CHARS`); errors of the pipeline name the Responses field
+(``input[0].content[1].image_url``), not the chat one.  ``instructions`` is bounded by the context
+only (its system message counts in the prompt), so a stream echoes it once, in its last event
+(``response.created`` and ``response.in_progress`` carry ``instructions: null``): the streamed bytes
+never grow with a multiple of the request.  A
 generation cut by the token limit is ``status: "incomplete"`` with
 ``incomplete_details.reason == "max_output_tokens"`` (streamed: ``response.incomplete``).
 
@@ -134,6 +139,11 @@ FIELDS = frozenset(ResponsesRequest.__struct_fields__)
 PART_TYPES = ("input_text", "input_image", "output_text")
 #: a caller's field name is quoted in a refusal only when it looks like one (never a payload)
 _FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]{0,63}")
+#: ``metadata`` bounds (OpenAI's ``Metadata``: up to 16 key-value pairs, keys up to 64 characters, string values
+#: up to 512 characters)
+MAX_METADATA_KEYS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
 
 
 def _refuse(message: str, param: str | None) -> GatewayError:
@@ -160,6 +170,7 @@ def _check_shape(raw: Any) -> None:
     for key in raw:
         if key not in FIELDS:
             raise _named("field", key, str(key))
+    _check_metadata(raw.get("metadata"))
     items = raw.get("input")
     if not isinstance(items, list):
         return
@@ -181,6 +192,29 @@ def _check_shape(raw: Any) -> None:
                 raise _named("content part type", ptype, f"input[{i}].content[{j}].type")
             if ptype == "output_text" and role != "assistant":
                 raise _refuse("output_text parts belong to assistant items", f"input[{i}].content[{j}].type")
+
+
+def _check_metadata(metadata: Any) -> None:
+    """OpenAI's bounds of ``metadata`` (``param`` is ``metadata``: a caller's key is never quoted).
+
+    Raises:
+        GatewayError(INVALID_REQUEST): not an object, more than :data:`MAX_METADATA_KEYS` keys, a key longer
+            than :data:`MAX_METADATA_KEY_CHARS` characters, a value that is not a string (OpenAI refuses
+            numbers and booleans too) or longer than :data:`MAX_METADATA_VALUE_CHARS` characters.
+    """
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
+        raise _refuse("metadata must be an object of string values", "metadata")
+    if len(metadata) > MAX_METADATA_KEYS:
+        raise _refuse(f"metadata takes at most {MAX_METADATA_KEYS} keys", "metadata")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise _refuse(f"a metadata key takes at most {MAX_METADATA_KEY_CHARS} characters", "metadata")
+        if not isinstance(value, str):
+            raise _refuse("metadata values must be strings", "metadata")
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise _refuse(f"a metadata value takes at most {MAX_METADATA_VALUE_CHARS} characters", "metadata")
 
 
 _AT_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
@@ -314,13 +348,16 @@ class _Render:
     def part(text: str) -> dict[str, Any]:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
-    def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
+    def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
+                 instructions: bool = True) -> dict[str, Any]:
+        """The ``response`` object; ``instructions`` False: ``"instructions": null`` (a stream's early events)."""
         req = self.req
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
             "completed_at": int(time.time()) if status == "completed" else None,
             "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": self.model,
+            "instructions": req.instructions if instructions else None,
+            "max_output_tokens": req.max_output_tokens, "model": self.model,
             "output": output, "parallel_tool_calls": False, "previous_response_id": None, "reasoning": None,
             "store": False, "temperature": req.temperature, "text": {"format": {"type": "text"}},
             "tool_choice": "auto", "tools": [], "top_p": req.top_p, "truncation": "disabled",
@@ -397,7 +434,9 @@ async def response_events(req: ResponsesRequest, answer: EngineAnswer, tokenizer
     ``response.content_part.done``, ``response.output_item.done``, then ``response.completed`` (or
     ``response.incomplete``); each event has ``type`` and a ``sequence_number`` counting from 0.
     An engine failure mid-stream becomes an ``error`` event followed by ``response.failed``.
-    ``release`` runs once, when the stream ends or is abandoned."""
+    ``instructions`` is echoed once, in the last event (``response.completed``, ``response.incomplete`` or
+    ``response.failed``); ``metadata`` (bounded) in every ``response``.  ``release`` runs once, when the
+    stream ends or is abandoned."""
     render = _Render(req, answer.prepared.request_id, answer.prepared.model)
     seq = iter(range(1 << 62))
     where = {"item_id": render.message_id, "output_index": 0, "content_index": 0}
@@ -407,8 +446,9 @@ async def response_events(req: ResponsesRequest, answer: EngineAnswer, tokenizer
 
     text = ChoiceText(tokenizer, answer.prepared.sampling)
     try:
-        yield event("response.created", response=render.response("in_progress", [], None))
-        yield event("response.in_progress", response=render.response("in_progress", [], None))
+        early = render.response("in_progress", [], None, instructions=False)
+        yield event("response.created", response=early)
+        yield event("response.in_progress", response=early)
         yield event("response.output_item.added", output_index=0, item=render.message(None, "in_progress"))
         yield event("response.content_part.added", **where, part=render.part(""))
         async for delta, complete in _text_steps(answer, text):
@@ -473,7 +513,7 @@ def register_responses(app: FastAPI, state: GatewayState, body_limit: int) -> No
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         async with request_body(state, request, body_limit) as body:
-            req = await parse_off_loop(state, parse_responses_request, body)
+            req = await parse_off_loop(state, parse_responses_request, body.data)
             metrics.REQUESTS.labels(state.runtime.served_name, str(req.stream).lower()).inc()
-            return await until_disconnect(request, answer_responses(state, req))
+            return body.answer(await until_disconnect(request, answer_responses(state, req)))
 

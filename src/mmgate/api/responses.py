@@ -188,7 +188,8 @@ class EngineStreamingResponse(StreamingResponse):
     The body generator's ``finally`` releases the worker slot and closes the engine stream, but a
     generator that never started (the client left between the handler's return and the first chunk)
     never runs it: this response closes the body and the engine stream and calls ``release`` when it
-    ends, however it ends (``release`` and ``aclose`` are idempotent).
+    ends, however it ends (``release`` and ``aclose`` are idempotent), then every release handed to
+    :meth:`release_after` (the request body's hold on the idle trimmer, :class:`mmgate.api.app.RequestBody`).
     """
 
     def __init__(self, body: AsyncIterator[bytes], release: Callable[[], None],
@@ -197,6 +198,11 @@ class EngineStreamingResponse(StreamingResponse):
         self._body = body
         self._release = release
         self._rest = rest
+        self._after: list[Callable[[], None]] = []
+
+    def release_after(self, release: Callable[[], None]) -> None:
+        """Call ``release`` once this stream has ended (after the engine stream is closed)."""
+        self._after.append(release)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
@@ -208,7 +214,11 @@ class EngineStreamingResponse(StreamingResponse):
                     await close()
                 await self._rest.aclose()
             finally:
-                self._release()
+                try:
+                    self._release()
+                finally:
+                    for release in self._after:
+                        release()
 
 
 async def respond(prepared: PreparedRequest, stream: bool, include_usage: bool,
