@@ -26,6 +26,7 @@ from tests.corpus.cases import (
     data_url,
     group_of,
     load_corpus,
+    missing_files_reason,
     needs_video,
     pending_reason,
 )
@@ -148,6 +149,8 @@ def _check_never(case: dict[str, Any], answer: Answer, profile: Profile | None, 
 
 @pytest.mark.parametrize("case", _params())
 def test_corpus_case(case: dict[str, Any], corpus_stack: CorpusStack) -> None:
+    if (missing := missing_files_reason(case)) is not None:
+        pytest.fail(missing)
     stack = corpus_stack
     exp = case["expected"]
     if case.get("transport") == "unit":
