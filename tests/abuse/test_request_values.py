@@ -4,7 +4,8 @@ Ranges come from the references, written out here: ``smg_grpc_proto`` ``vllm_eng
 ``SamplingParams`` (``optional uint32 max_tokens``, ``uint32 top_k``, ``optional int32 seed``), vLLM
 ``SamplingParams._verify_args`` (``top_p`` in (0, 1], ``top_k`` -1 = disabled, penalties in [-2, 2], no
 empty stop string), the OpenAI role set.  Every refusal names the field in ``param`` and never quotes
-the caller's value.  The prompt of an assistant turn with ``tool_calls`` and ``content: null`` is
+the caller's value; a value at the edge of its range reaches the worker's wire unchanged (checked on
+a recording fake worker).  The prompt of an assistant turn with ``tool_calls`` and ``content: null`` is
 compared with transformers' ``apply_chat_template`` on the messages as vLLM's ``chat_utils`` builds them.
 """
 
