@@ -1,7 +1,24 @@
 #!/usr/bin/env bash
-# Install, then run the whole test suite (both parity tiers, API, engine, end to end).
+# Install, check that nothing the suite needs is missing, then run the whole test suite
+# (both parity tiers, API, engine, end to end).
+#   ./scripts/test.sh [--no-setup] [pytest args...]
+# --no-setup: skip scripts/setup.sh (.ci/run runs it once as its own step).
+# The preflight (tests/support/preflight.py) names each missing model bundle, unbuilt C extension,
+# tool (ffmpeg, redis-server) or corpus generator; under CI=true (or MMGATE_REQUIRE_ALL=1) any of
+# them fails the run before pytest starts. pytest's "no tests collected" (exit 5) is a failure too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/setup.sh
+if [ "${1:-}" = "--no-setup" ]; then
+    shift
+else
+    ./scripts/setup.sh
+fi
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec python3 -m pytest -q "$@"
+PY=${PYTHON:-python3}
+"$PY" -m tests.support.preflight
+rc=0
+"$PY" -m pytest -q "$@" || rc=$?
+if [ "$rc" = 5 ]; then
+    echo "test.sh: FAILED: pytest collected no tests (args: $*): a run that tests nothing is a failure"
+fi
+exit "$rc"

@@ -1,7 +1,10 @@
 """Shared test fixtures: model bundles, loopback media server, in-thread gateway.
 
 Bundles are read from ``$MMGATE_MODEL_PATH`` (os.pathsep-separated), else from
-``<checkout>/../shared/models``; they are never copied into the repo.
+``<checkout>/../shared/models``; they are never copied into the repo.  Under ``CI=true`` (or
+``MMGATE_REQUIRE_ALL=1``) the session stops before any test when the preflight
+(:mod:`tests.support.preflight`) finds a bundle, native extension, tool or corpus generator
+missing: there a skip for a missing piece would be a pass that tested nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +34,15 @@ def bundle_dir(name: str) -> Path:
         if (candidate / "config.json").is_file():
             return candidate
     raise FileNotFoundError(f"bundle {name} not found under {model_roots()}")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    from tests.support import preflight
+
+    if preflight.strict_from_env(os.environ):
+        missing = preflight.problems(os.environ)
+        if missing:
+            pytest.exit("preflight (CI): missing " + "; ".join(missing), returncode=1)
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,8 @@ Ranges come from the references, written out here: ``smg_grpc_proto`` ``vllm_eng
 ``SamplingParams`` (``optional uint32 max_tokens``, ``uint32 top_k``, ``optional int32 seed``), vLLM
 ``SamplingParams._verify_args`` (``top_p`` in (0, 1], ``top_k`` -1 = disabled, penalties in [-2, 2], no
 empty stop string), the OpenAI role set.  Every refusal names the field in ``param`` and never quotes
-the caller's value.  The prompt of an assistant turn with ``tool_calls`` and ``content: null`` is
+the caller's value; a value at the edge of its range reaches the worker's wire unchanged (checked on
+a recording fake worker).  The prompt of an assistant turn with ``tool_calls`` and ``content: null`` is
 compared with transformers' ``apply_chat_template`` on the messages as vLLM's ``chat_utils`` builds them.
 """
 
@@ -31,6 +32,8 @@ from mmgate.settings import Settings
 from mmgate.types import SamplingParams
 from tests.abuse.support import HealthWatch, Stack, after_attack, chat_body, running_stack, shm_segments
 from tests.conftest import bundle_dir
+from tests.support.fake_worker import FakeWorker, FakeWorkerState, Received
+from tests.support.servers import gateway_in_thread
 
 MODEL = "Qwen/Qwen2-VL-2B-Instruct"
 U32_MAX = 2**32 - 1  # proto uint32
@@ -98,17 +101,70 @@ def test_out_of_range_value_is_refused_naming_the_field(fields: dict[str, Any], 
     assert MARK not in info.value.message and "wizard" not in info.value.message
 
 
-@pytest.mark.parametrize("fields", [
-    {"max_tokens": 1}, {"max_tokens": U32_MAX}, {"max_completion_tokens": U32_MAX},
-    {"seed": I32_MIN}, {"seed": I32_MAX}, {"seed": 0},
-    {"top_k": 0}, {"top_k": 1}, {"top_k": U32_MAX},
-    {"top_p": 1.0}, {"temperature": 0.0}, {"temperature": 2.0},
-    {"frequency_penalty": -2.0}, {"presence_penalty": 2.0},
-    {"stop": [f"s{i}" for i in range(16)]}, {"stop": "x" * 1024},
-    {"chat_template_kwargs": {"enable_thinking": False, "deep": json.loads(nested(60))}},
-], ids=lambda f: "-".join(f"{k}" for k in f))
-def test_values_at_the_edges_are_accepted(fields: dict[str, Any]) -> None:
-    parse_chat_request(body_bytes(**fields))
+#: (body fields at the edge of their range, the vLLM-wire ``SamplingParams`` fields the worker must receive);
+#: ``max_completion_tokens`` travels as ``max_tokens``, a string ``stop`` as a one-item list
+EDGE_VALUES: list[tuple[dict[str, Any], dict[str, Any]]] = [
+    ({"max_tokens": 1}, {"max_tokens": 1}),
+    ({"max_tokens": U32_MAX}, {"max_tokens": U32_MAX}),
+    ({"max_completion_tokens": U32_MAX}, {"max_tokens": U32_MAX}),
+    ({"seed": I32_MIN}, {"seed": I32_MIN}), ({"seed": I32_MAX}, {"seed": I32_MAX}), ({"seed": 0}, {"seed": 0}),
+    ({"top_k": 0}, {"top_k": 0}), ({"top_k": 1}, {"top_k": 1}), ({"top_k": U32_MAX}, {"top_k": U32_MAX}),
+    ({"top_p": 1.0}, {"top_p": 1.0}), ({"temperature": 0.0}, {"temperature": 0.0}),
+    ({"temperature": 2.0}, {"temperature": 2.0}),
+    ({"frequency_penalty": -2.0}, {"frequency_penalty": -2.0}), ({"presence_penalty": 2.0}, {"presence_penalty": 2.0}),
+    ({"stop": [f"s{i}" for i in range(16)]}, {"stop": [f"s{i}" for i in range(16)]}),
+    ({"stop": "x" * 1024}, {"stop": ["x" * 1024]}),
+]
+#: proto3 ``optional`` fields of the wire's SamplingParams: set (even to 0) means the caller's value, unset its default
+OPTIONAL_WIRE_FIELDS = ("max_tokens", "seed", "temperature")
+#: room in the context for the largest uint32 ``max_tokens`` after the prompt (the bundle's 32768 has none)
+HUGE_CONTEXT = 2**33
+
+
+@pytest.fixture(scope="module")
+def edge_gateway() -> Iterator[tuple[str, FakeWorkerState]]:
+    """The real gateway in a thread over a recording fake vLLM-wire worker."""
+    worker = FakeWorker()
+    settings = Settings(model=str(bundle_dir(MODEL)), served_model_name=MODEL, worker_urls=(worker.url,),
+                        max_model_len=HUGE_CONTEXT)
+    try:
+        with gateway_in_thread(settings) as base:
+            yield base, worker.state
+    finally:
+        worker.stop()
+
+
+def send_to_worker(gateway: tuple[str, FakeWorkerState], fields: dict[str, Any]) -> Received:
+    """POST a light chat with ``fields``; what the worker received for it."""
+    base, state = gateway
+    before = len(state.received)
+    resp = httpx.post(base + "/v1/chat/completions", json=chat_body(MODEL, **fields), timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert len(state.received) == before + 1
+    return state.received[-1]
+
+
+@pytest.mark.parametrize("fields,wire", EDGE_VALUES, ids=[f"{k}={json.dumps(v)[:16]}" for (f, _) in EDGE_VALUES
+                                                           for k, v in f.items()])
+def test_values_at_the_edges_reach_the_wire(edge_gateway: tuple[str, FakeWorkerState], fields: dict[str, Any],
+                                            wire: dict[str, Any]) -> None:
+    received = send_to_worker(edge_gateway, fields).sampling
+    assert received is not None
+    for name, value in wire.items():
+        if name in OPTIONAL_WIRE_FIELDS:
+            assert received.HasField(name), f"{name} not set on the wire"
+        got = list(getattr(received, name)) if name == "stop" else getattr(received, name)
+        assert got == value, f"{name}: {got!r} on the wire, {value!r} expected"
+
+
+def test_deep_template_kwargs_at_the_depth_limit_are_accepted_and_render_the_same_prompt(
+        edge_gateway: tuple[str, FakeWorkerState]) -> None:
+    """60 levels (under the 64 of ``MAX_JSON_DEPTH``) reach the template; Qwen2-VL's reads neither key,
+    so the prompt on the wire is the one without them."""
+    plain = send_to_worker(edge_gateway, {})
+    deep = send_to_worker(edge_gateway, {"chat_template_kwargs": {"enable_thinking": False,
+                                                                  "deep": json.loads(nested(60))}})
+    assert deep.input_ids == plain.input_ids
 
 
 def test_top_k_minus_one_means_disabled_and_travels_as_zero() -> None:

@@ -6,7 +6,9 @@ folder removed at exit; nothing is written into the shared folder or the
 repository.  ``pending_reason(case)`` names why a case cannot be judged yet
 (a profile the runner does not serve, video for a family that takes none, a
 unit-calculation case, a file the generator skipped); such cases are
-collected and reported, never dropped.  Served profiles: the Qwen-VL ones
+collected and reported, never dropped.  In CI (``CI=true`` /
+``MMGATE_REQUIRE_ALL=1``) a skipped file is not pending but missing:
+:func:`missing_files_reason` fails its case.  Served profiles: the Qwen-VL ones
 (``qwen2_vl``, ``qwen3_vl``) and ``llava_1_5`` (the LLaVA-1.5 bundle, CLIP
 shortest-edge resize and centre crop).
 """
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.conftest import REPO
+from tests.support.preflight import strict_from_env
 
 CASES_DIR = Path(os.environ.get("MMGATE_CASES_DIR", REPO.parent / "shared" / "cases"))
 SUPPORTED_PROFILES = ("qwen2_vl", "qwen3_vl", "llava_1_5")
@@ -115,8 +118,16 @@ def pending_reason(case: dict[str, Any]) -> str | None:
         return "unit calculation case (no request): needs mmgate's video patchify to check against"
     if needs_video(case) and not family_accepts_video(profile):
         return f"needs video input: the family of profile {profile!r} does not accept Modality.VIDEO"
-    if case.get("skipped"):
+    if case.get("skipped") and not strict_from_env(os.environ):
         return "the generator skipped a file of this case (no ffmpeg on this machine)"
+    return None
+
+
+def missing_files_reason(case: dict[str, Any]) -> str | None:
+    """In CI, why a case whose files the generator skipped fails (rather than becoming an xfail), or None."""
+    if case.get("skipped") and strict_from_env(os.environ):
+        return (f"{case['id']}: the corpus generator skipped this case's files (no ffmpeg on PATH); "
+                f"in CI that is a failure, not a pending case")
     return None
 
 

@@ -10,7 +10,8 @@
   optionally dials loopback literals for real, and records and refuses
   anything else (it never opens a non-loopback socket);
 * :class:`LoopbackListener` is a raw TCP listener on 127.0.0.1 that counts
-  accepted connections (the target of a refused loopback fetch must see none).
+  accepted connections (the target of a refused loopback fetch must see none);
+  ``settled()`` is the sync point before asserting that count (see there).
 """
 
 from __future__ import annotations
@@ -132,6 +133,26 @@ class LoopbackListener:
 
     port: int = 0
     accepted: int = 0
+    empty_polls: int = 0  # accept() calls that found the backlog empty (the accept loop's progress)
+    polled: threading.Condition = field(default_factory=threading.Condition)
+
+    def settled(self, timeout_s: float = 5.0) -> int:
+        """``accepted`` once every connection made before this call has been accepted.
+
+        A client's ``connect()`` returns once the kernel has queued the connection, so any
+        connection the code under test made before answering is in the backlog by the time its
+        answer is read.  Two empty polls of the accept loop after this call (the first may have
+        begun before it) prove the backlog was drained: the positive sync point that an
+        assertion of "no connection" needs, instead of a sleep.
+
+        Raises:
+            AssertionError: the accept loop made no progress within ``timeout_s``.
+        """
+        with self.polled:
+            start = self.empty_polls
+            if not self.polled.wait_for(lambda: self.empty_polls >= start + 2, timeout=timeout_s):
+                raise AssertionError(f"listener on port {self.port}: accept loop stalled for {timeout_s}s")
+            return self.accepted
 
 
 @contextmanager
@@ -155,6 +176,9 @@ def loopback_listener(host: str = "127.0.0.1", port: int = 0) -> Iterator[Loopba
             try:
                 conn, _ = sock.accept()
             except (TimeoutError, OSError):
+                with listener.polled:
+                    listener.empty_polls += 1
+                    listener.polled.notify_all()
                 continue
             listener.accepted += 1
             conn.close()

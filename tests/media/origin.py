@@ -4,6 +4,7 @@ Covers what the edge-case corpus asks of its test server (content types,
 status codes, a stall after the headers, a slow drip, an oversized body, a
 redirect loop, ``/redirect?to=URL``) and records what happened: hits and
 ``Host`` headers per path, and how many body bytes were written.
+``settled()`` is the sync point before asserting that a path saw no hit.
 """
 
 from __future__ import annotations
@@ -39,6 +40,35 @@ class ScriptedOrigin:
     bytes_sent: Counter[str] = field(default_factory=Counter)
     port: int = 0
     stop: threading.Event = field(default_factory=threading.Event)
+    connections: int = 0  # connections accepted
+    read: int = 0  # of those, the ones whose first request line was read, or that closed without one
+    polls: int = 0  # passes of the accept loop (serve_forever)
+    progress: threading.Condition = field(default_factory=threading.Condition)
+
+    def settled(self, timeout_s: float = 5.0) -> Counter[str]:
+        """``hits`` once every connection made before this call has been accepted and its request read.
+
+        A client's ``connect()`` returns once the kernel has queued the connection, so a fetch the
+        code under test began before answering is queued by the time its answer is read.  Two
+        accept-loop passes after this call (the first may have begun before it) accept what was
+        queued; then each accepted connection's request line has been read (its hit counted) or the
+        connection closed.  The positive sync point an assertion of "no hit" needs, not a sleep.
+
+        Raises:
+            AssertionError: the accept loop or a connection's first request stalled past ``timeout_s``.
+        """
+        with self.progress:
+            start = self.polls
+            if not self.progress.wait_for(lambda: self.polls >= start + 2 and self.read >= self.connections,
+                                          timeout=timeout_s):
+                raise AssertionError(f"origin on port {self.port}: not settled after {timeout_s}s "
+                                     f"({self.connections} connections, {self.read} read)")
+            return Counter(self.hits)
+
+    def _count(self, name: str) -> None:
+        with self.progress:
+            setattr(self, name, getattr(self, name) + 1)
+            self.progress.notify_all()
 
     def url(self, path: str, host: str = "127.0.0.1") -> str:
         return f"http://{host}:{self.port}{path}"
@@ -51,8 +81,27 @@ class ScriptedOrigin:
 class _Handler(BaseHTTPRequestHandler):
     origin: ScriptedOrigin  # set on the subclass
 
+    _first_read = False  # per connection (one handler instance each)
+
     def log_message(self, *args: object) -> None:
         pass
+
+    def _mark_read(self) -> None:
+        if not self._first_read:
+            self._first_read = True
+            self.origin._count("read")
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()  # hit counting (do_GET) comes after, in the same thread
+        if not ok:
+            self._mark_read()
+        return ok
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            self._mark_read()
 
     def _write(self, path: str, data: bytes) -> None:
         self.wfile.write(data)
@@ -63,6 +112,7 @@ class _Handler(BaseHTTPRequestHandler):
         parts = urlsplit(self.path)
         origin.hits[parts.path] += 1
         origin.host_headers.append(self.headers.get("Host", ""))
+        self._mark_read()
         if parts.path == "/redirect":
             target = parse_qs(parts.query).get("to", [""])[0]
             self.send_response(302)
@@ -110,11 +160,25 @@ class _Handler(BaseHTTPRequestHandler):
                 remaining -= len(chunk)
 
 
+class _CountingServer(ThreadingHTTPServer):
+    """Counts accepted connections and accept-loop passes into its origin (for :meth:`ScriptedOrigin.settled`)."""
+
+    origin: ScriptedOrigin
+
+    def process_request(self, request: object, client_address: object) -> None:
+        self.origin._count("connections")
+        super().process_request(request, client_address)  # type: ignore[arg-type]
+
+    def service_actions(self) -> None:
+        self.origin._count("polls")
+
+
 @contextmanager
 def scripted_origin() -> Iterator[ScriptedOrigin]:
     origin = ScriptedOrigin()
     handler = type("Handler", (_Handler,), {"origin": origin})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = _CountingServer(("127.0.0.1", 0), handler)
+    server.origin = origin
     server.daemon_threads = True
     server.block_on_close = False
     origin.port = int(server.server_address[1])

@@ -4,7 +4,8 @@ It answers HealthCheck / GetModelInfo / GetServerInfo with the labels a test
 asks for, and Generate with one token after ``delay_s`` (streamed: the chunk, then
 the completion ``stream_pause_s`` later).  Every request's
 tensors are decoded the way the reference engine decodes them (shared memory
-read, then unlinked) and kept in ``received`` for the test to compare.
+read, then unlinked) and kept in ``received``, with its sampling parameters, for the
+test to compare.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Received:
     tensors: dict[str, np.ndarray]  # name -> array as decoded (bf16 as uint16 bits)
     dtypes: dict[str, str]
     payloads: dict[str, str]  # name -> "inline" | "shm"
+    sampling: vllm_engine_pb2.SamplingParams | None = None  # the request's sampling_params as received
 
 
 @dataclass
@@ -77,7 +79,8 @@ class _Servicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 dtypes[name] = td.dtype
                 payloads[name] = td.WhichOneof("payload")
         with self.state.lock:
-            self.state.received.append(Received(list(request.tokenized.input_ids), tensors, dtypes, payloads))
+            self.state.received.append(Received(list(request.tokenized.input_ids), tensors, dtypes, payloads,
+                                                sampling=request.sampling_params))
         if self.state.delay_s:
             time.sleep(self.state.delay_s)
         if self.state.fail_with is not None:
