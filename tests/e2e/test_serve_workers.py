@@ -210,15 +210,16 @@ def _slot_pid(parent: int, index: int, old: set[int], timeout_s: float = 30.0) -
     return None
 
 
-def _crash_loop(gateway: Child, index: int) -> None:
+def _crash_loop(gateway: Child, index: int) -> set[int]:
     """Kill slot ``index``'s child as soon as it is (re)started, MAX_RESTARTS + 1 times: within seconds, far
-    inside the restart window."""
+    inside the restart window.  Returns the killed pids (the last may not have died yet when this returns)."""
     killed: set[int] = set()
     for _ in range(MAX_RESTARTS + 1):
         pid = _slot_pid(gateway.proc.pid, index, killed)
         assert pid is not None, f"slot {index} was not started again:\n{gateway.log_tail()}"
         os.kill(pid, signal.SIGKILL)
         killed.add(pid)
+    return killed
 
 
 def _quarantined(child: Child) -> float:
@@ -234,8 +235,8 @@ def test_a_crash_looping_child_is_taken_out_of_rotation_and_the_last_one_stops_t
         children = _children(gateway.proc.pid)
         survivor = next(pid for pid in children if _slot_of(pid) == 1)
         assert _quarantined(gateway) == 0
-        _crash_loop(gateway, 0)
-        assert _slot_pid(gateway.proc.pid, 0, set(), timeout_s=3) is None  # not started again
+        killed = _crash_loop(gateway, 0)
+        assert _slot_pid(gateway.proc.pid, 0, killed, timeout_s=3) is None  # not started again
         assert gateway.proc.poll() is None  # the parent serves on
         assert _children(gateway.proc.pid) == {survivor}
         for _ in range(6):  # new connections: the kernel has only the survivor's socket left
