@@ -1,7 +1,7 @@
 """One engine call for every API shape: a chat request in, the engine's answer stream out.
 
 Stage: select worker -> assemble -> transport -> engine (first response).  In: a validated
-:class:`~mmgate.api.protocol.ChatCompletionRequest` (the chat completions endpoint's own, or one that
+:class:`~mmgate.request.protocol.ChatCompletionRequest` (the chat completions endpoint's own, or one that
 ``/v1/messages`` and ``/v1/responses`` translate their requests into); out: an
 :class:`EngineAnswer` whose engine has answered once, so engine refusals surface as HTTP errors
 before any byte of a response is sent.  Each endpoint renders the answer in its own shape
@@ -29,7 +29,7 @@ import numpy as np
 
 from mmgate import metrics, timing_log
 from mmgate.api.capability import check_capable
-from mmgate.api.protocol import ChatCompletionRequest
+from mmgate.request.protocol import ChatCompletionRequest
 from mmgate.engines.adapter import WireAdapter
 from mmgate.engines.base import EngineEvent, Role
 from mmgate.routing.mm_processing import Mode, decide_request

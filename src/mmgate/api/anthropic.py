@@ -40,7 +40,7 @@ from tokenizers.decoders import DecodeStream
 from mmgate import metrics
 from mmgate.api.answer import EngineAnswer, start_chat
 from mmgate.api.disconnect import until_disconnect
-from mmgate.api.protocol import (
+from mmgate.request.protocol import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_TOKENS_LIMIT,

@@ -38,7 +38,8 @@ from mmgate.api.answer import start_chat
 from mmgate.api.disconnect import until_disconnect
 from mmgate.api.openai_responses import register_responses
 from mmgate.api.output_parsing import output_parsing
-from mmgate.api.protocol import ChatCompletionRequest, parse_chat_request
+from mmgate.request.parse import parse_chat_request
+from mmgate.request.protocol import ChatCompletionRequest
 from mmgate.api.responses import EngineStreamingResponse, respond
 from mmgate.budget import InflightBudget
 from mmgate.cache import PixelCache
@@ -48,7 +49,8 @@ from mmgate.media.fetch import MediaFetcher
 from mmgate.models.bundle import resolve_bundle
 from mmgate.models.geometry import resolve_backend
 from mmgate.models.registry import load_family
-from mmgate.pipeline import ModelRuntime, Pipeline
+from mmgate.pipeline import Pipeline
+from mmgate.runtime import ModelRuntime
 from mmgate.routing.workers import WorkerRegistry
 from mmgate.settings import HttpSettings, ImageBackend, Settings
 from mmgate.transport.shm import sweep_dead_segments

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mmgate.api.protocol import (
+from mmgate.request.protocol import (
     AudioPart,
     ChatCompletionRequest,
     ImageEmbedsPart,

@@ -5,7 +5,7 @@ message items whose content is a string or ``input_text`` / ``input_image`` / ``
 parts, ``instructions``, ``max_output_tokens``, ``temperature``, ``top_p``, ``stream``); out: a
 ``response`` object, or its SSE event sequence (``response.created`` ... ``response.completed``,
 every event with a ``sequence_number``).  The request is translated into a
-:class:`~mmgate.api.protocol.ChatCompletionRequest` (``instructions`` -> a leading system message,
+:class:`~mmgate.request.protocol.ChatCompletionRequest` (``instructions`` -> a leading system message,
 ``input_image`` -> an ``image_url`` part, ``max_output_tokens`` -> ``max_tokens``) and answered by
 :func:`mmgate.api.answer.start_chat`, so planning, media intake, preprocessing and the engine call
 are the chat endpoint's own and ``usage.input_tokens`` equals the chat ``prompt_tokens`` of the same
@@ -46,7 +46,7 @@ from mmgate import metrics
 from mmgate.api.answer import EngineAnswer, start_chat
 from mmgate.api.choice_text import ChoiceText
 from mmgate.api.disconnect import until_disconnect
-from mmgate.api.protocol import (
+from mmgate.request.protocol import (
     MAX_TOKENS_LIMIT,
     TEMPERATURE_RANGE,
     ChatCompletionRequest,
@@ -251,7 +251,7 @@ def parse_responses_request(body: bytes) -> ResponsesRequest:
 
 
 def _check_values(req: ResponsesRequest) -> None:
-    """Ranges as the chat endpoint's (:mod:`mmgate.api.protocol`), under the Responses names.
+    """Ranges as the chat endpoint's (:mod:`mmgate.request.protocol`), under the Responses names.
 
     Raises:
         GatewayError(INVALID_REQUEST): the first field out of range or unsupported, named in ``param``.

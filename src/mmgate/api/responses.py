@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from mmgate import metrics
 from mmgate.api.choice_text import ChoiceText
 from mmgate.api.output_parsing import PLAIN, OutputParsing
-from mmgate.api.structured import ToolMode
+from mmgate.request.structured import ToolMode
 from mmgate.chat.tokenizer import BundleTokenizer
 from mmgate.engines.base import EngineEvent
 from mmgate.errors import ErrorCode, GatewayError

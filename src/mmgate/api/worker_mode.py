@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from mmgate import metrics, timing_log
 from mmgate.api.answer import EngineAnswer
-from mmgate.api.protocol import ChatCompletionRequest
+from mmgate.request.protocol import ChatCompletionRequest
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.routing.mm_processing import (
     check_anchor_counts,

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING
 
 from mmgate import metrics, timing_log
 from mmgate.api.capability import check_capable, media_kinds
-from mmgate.api.protocol import ChatCompletionRequest
+from mmgate.request.protocol import ChatCompletionRequest
 from mmgate.engines.adapter import TokenSpeedAdapter, WireAdapter
 from mmgate.engines.base import Bootstrap, EncodedRequest, EngineEvent, Role, Wire
 from mmgate.errors import ErrorCode, GatewayError
