@@ -33,8 +33,6 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from mmgate import metrics, timing_log
-from mmgate.request.protocol import ChatCompletionRequest, TextPart
-from mmgate.request.structured import request_constraint, template_tools
 from mmgate.cache import PixelCache
 from mmgate.chat.template import render_chat
 from mmgate.errors import ErrorCode, GatewayError
@@ -62,6 +60,8 @@ from mmgate.planning import (
     splice_all,
     splice_text,
 )
+from mmgate.request.protocol import ChatCompletionRequest, TextPart
+from mmgate.request.structured import request_constraint, template_tools
 from mmgate.runtime import ModelRuntime
 from mmgate.settings import Settings
 from mmgate.transport.limits import (

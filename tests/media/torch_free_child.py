@@ -97,7 +97,7 @@ def run_images(jobs: list[dict], out: dict) -> None:
 
 
 def run_requests(jobs: list[dict], out: dict) -> None:
-    from mmgate.api.app import build_state
+    from mmgate.gateway.state import build_state
     from mmgate.request.parse import parse_chat_request
     from mmgate.settings import ImageBackend, Settings, VideoSettings
 

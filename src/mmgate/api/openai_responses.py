@@ -43,9 +43,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from mmgate import metrics
-from mmgate.api.answer import EngineAnswer, start_chat
+from mmgate.api.answer import start_chat
 from mmgate.api.choice_text import ChoiceText
 from mmgate.api.disconnect import until_disconnect
+from mmgate.api.http import parse_off_loop, request_body
+from mmgate.api.responses import EngineStreamingResponse
+from mmgate.errors import ErrorCode, GatewayError
 from mmgate.request.protocol import (
     MAX_TOKENS_LIMIT,
     TEMPERATURE_RANGE,
@@ -57,13 +60,12 @@ from mmgate.request.protocol import (
     TextPart,
     check_json_depth,
 )
-from mmgate.api.responses import EngineStreamingResponse
-from mmgate.errors import ErrorCode, GatewayError
+from mmgate.routing.dispatch import EngineAnswer
 
 if TYPE_CHECKING:
-    from mmgate.api.app import GatewayState
     from mmgate.chat.tokenizer import BundleTokenizer
     from mmgate.engines.base import EngineEvent
+    from mmgate.gateway.state import GatewayState
 
 
 # ---- request shapes --------------------------------------------------------------------------
@@ -508,8 +510,6 @@ async def answer_responses(state: GatewayState, req: ResponsesRequest) -> Respon
 def register_responses(app: FastAPI, state: GatewayState, body_limit: int) -> None:
     """Add ``POST /v1/responses`` to ``app`` (body read within ``state.settings.http``'s deadlines and
     ``body_limit`` bytes, as the chat endpoint's; the work cancelled when the client leaves)."""
-    from mmgate.api.app import parse_off_loop, request_body
-
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         async with request_body(state, request, body_limit) as body:

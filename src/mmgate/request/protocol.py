@@ -69,7 +69,7 @@ class AudioPart(msgspec.Struct, frozen=True, tag_field="type", tag="input_audio"
 
 class ImageEmbedsPart(msgspec.Struct, frozen=True, tag_field="type", tag="image_embeds"):
     """vLLM's ``image_embeds`` part (``ChatCompletionContentPartImageEmbedsParam``): precomputed embeddings.
-    Refused before planning (:mod:`mmgate.api.capability`): no engine wire carries them."""
+    Refused before planning (:mod:`mmgate.routing.capability`): no engine wire carries them."""
 
     image_embeds: str | dict[str, str] | None = None
     uuid: str | None = None
