@@ -31,13 +31,14 @@ import asyncio, base64, gc, json, os, sys, time
 from concurrent.futures import ThreadPoolExecutor
 sys.path.insert(0, os.path.join(os.environ["BENCH_DIR"]))
 from bench_report import sample_jpeg
-from mmgate.api.protocol import parse_chat_request
+from mmgate.request.parse import parse_chat_request
 from mmgate.chat.tokenizer import load_tokenizer
 from mmgate.media.fetch import MediaFetcher
 from mmgate.models.bundle import load_bundle
 from mmgate.models.geometry import resolve_backend
 from mmgate.models.registry import load_family
-from mmgate.pipeline import ModelRuntime, Pipeline
+from mmgate.pipeline import Pipeline
+from mmgate.runtime import ModelRuntime
 from mmgate.settings import ImageBackend, Settings
 
 bundle_dir, width, height, min_time, backend = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]

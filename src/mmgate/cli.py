@@ -41,7 +41,8 @@ def serve(argv: Sequence[str]) -> int:
 
     import uvicorn
 
-    from mmgate.api.app import build_state, create_app
+    from mmgate.api.app import create_app
+    from mmgate.gateway.state import build_state
     from mmgate.api.server import uvicorn_config
     from mmgate.errors import GatewayError
 

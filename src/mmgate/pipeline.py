@@ -1,7 +1,7 @@
 """The request pipeline: plan -> render+tokenize -> fetch+decode -> preprocess -> expand.
 
 Stage: everything between the HTTP layer and worker selection.  In: a
-validated :class:`~mmgate.api.protocol.ChatCompletionRequest`; out: an
+validated :class:`~mmgate.request.protocol.ChatCompletionRequest`; out: an
 engine-neutral :class:`~mmgate.types.PreparedRequest`.
 
 Order of refusals (cheap first, nothing fetched before all of them pass):
@@ -27,19 +27,14 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from mmgate import metrics, timing_log
-from mmgate.api.protocol import ChatCompletionRequest, TextPart
-from mmgate.api.structured import request_constraint, template_tools
 from mmgate.cache import PixelCache
-from mmgate.chat.integrity import ReservedTokens
 from mmgate.chat.template import render_chat
-from mmgate.chat.tokenizer import BundleTokenizer
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.fetch import MediaFetcher
 from mmgate.media.hashing import item_hash
@@ -47,7 +42,6 @@ from mmgate.media.image import decode_image
 from mmgate.media.video import PixelAllowance, decode_video, planned_clip, upright_turns
 from mmgate.models.bundle import ModelBundle
 from mmgate.models.family import (
-    Family,
     ImageProcessor,
     RowWriter,
     VideoProcessor,
@@ -66,6 +60,9 @@ from mmgate.planning import (
     splice_all,
     splice_text,
 )
+from mmgate.request.protocol import ChatCompletionRequest, TextPart
+from mmgate.request.structured import request_constraint, template_tools
+from mmgate.runtime import ModelRuntime
 from mmgate.settings import Settings
 from mmgate.transport.limits import (
     element_bytes,
@@ -105,34 +102,6 @@ class Rendered(NamedTuple):
     prompt: str
     ids: list[int]
     segments: tuple[tuple[str, bool], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ModelRuntime:
-    """One served model: its bundle, tokenizer and family (None: text only).
-
-    ``reserved``: the token strings caller text may not contain (:mod:`mmgate.chat.integrity`),
-    derived from the tokenizer's special tokens and the family's declared tokens unless given.
-    """
-
-    bundle: ModelBundle
-    tokenizer: BundleTokenizer
-    family: Family | None
-    served_name: str
-    reserved: ReservedTokens = field(default_factory=lambda: ReservedTokens(()))
-    #: the ids of ``reserved`` tokens
-    reserved_ids: frozenset[int] = frozenset()
-
-    def __post_init__(self) -> None:
-        if not self.reserved.tokens:
-            family_tokens = self.family.reserved_tokens if self.family is not None else ()
-            object.__setattr__(self, "reserved", ReservedTokens.for_model(self.tokenizer.special_added_tokens(),
-                                                                          family_tokens))
-        ids = (self.tokenizer.token_id(t) for t in self.reserved.tokens)
-        object.__setattr__(self, "reserved_ids", frozenset(i for i in ids if i is not None))
-
-    def accepts(self, model: str) -> bool:
-        return model in (self.served_name, self.bundle.name, str(self.bundle.path))
 
 
 def context_length(bundle: ModelBundle) -> int:

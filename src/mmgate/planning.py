@@ -1,7 +1,7 @@
 """Planning: what a chat request asks for, checked before anything is fetched; anchor splicing.
 
 Stage: plan (and expand's splice).  In: a validated
-:class:`~mmgate.api.protocol.ChatCompletionRequest` and the served model; out: a
+:class:`~mmgate.request.protocol.ChatCompletionRequest` and the served model; out: a
 :class:`RequestPlan` (template messages + one :class:`~mmgate.types.MediaRef` per
 media part), or a refusal.  ``splice_all`` later replaces each anchor of the
 tokenized prompt by its placeholder run.  Used by :mod:`mmgate.pipeline`.
@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mmgate.api.protocol import (
+from mmgate.request.protocol import (
     AudioPart,
     ChatCompletionRequest,
     ImageEmbedsPart,
@@ -33,7 +33,7 @@ from mmgate.settings import Settings
 from mmgate.types import ItemHints, MediaRef, Modality, PlaceholderRange, Replacement
 
 if TYPE_CHECKING:
-    from mmgate.pipeline import ModelRuntime
+    from mmgate.runtime import ModelRuntime
 
 
 @dataclass(frozen=True, slots=True)

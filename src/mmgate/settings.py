@@ -241,7 +241,7 @@ _HTTP_DEFAULTS = HttpSettings()
 @dataclass(frozen=True, slots=True)
 class ConstraintLimits:
     """Bounds on one structured-output or tool-choice constraint, checked by the gateway before anything is
-    sent (:mod:`mmgate.api.constraint_limits`; docs/limits.md, "Structured outputs and tools").
+    sent (:mod:`mmgate.request.constraint_limits`; docs/limits.md, "Structured outputs and tools").
 
     Each bound is a property of the constraint's shape that xgrammar's compile time or stack depth grows
     with (measured in docs/limits.md), so a request that could freeze or crash a worker is refused with a

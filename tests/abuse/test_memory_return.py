@@ -33,7 +33,7 @@ import pytest
 from PIL import Image
 
 from mmgate import memory
-from mmgate.api.app import GatewayState, build_state
+from mmgate.gateway.state import GatewayState, build_state
 from mmgate.launch import start_gateway
 from mmgate.memory import IdleTrimmer
 from mmgate.settings import Settings

@@ -20,13 +20,13 @@ from typing import Any
 import httpx
 import pytest
 
-from mmgate.api.protocol import parse_chat_request
+from mmgate.request.parse import parse_chat_request
 from mmgate.chat.template import render_chat
 from mmgate.chat.tokenizer import load_tokenizer
 from mmgate.engines.vllm import sampling_message
 from mmgate.errors import GatewayError
 from mmgate.models.bundle import load_bundle
-from mmgate.pipeline import ModelRuntime
+from mmgate.runtime import ModelRuntime
 from mmgate.planning import plan_request
 from mmgate.settings import Settings
 from mmgate.types import SamplingParams

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmgate.api.protocol import parse_chat_request
+from mmgate.request.parse import parse_chat_request
 from mmgate.engines.vllm import map_rpc_error
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.pipeline import Pipeline

@@ -23,7 +23,7 @@ import torch
 from transformers import AutoTokenizer
 
 from mmgate.api.choice_text import check_stop_strings
-from mmgate.api.protocol import parse_chat_request
+from mmgate.request.parse import parse_chat_request
 from mmgate.errors import GatewayError
 from mmgate.refengine.sampler import apply_penalties, sample_next
 from mmgate.refengine.sampling import GenerationPlan

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from mmgate.api.constraint_limits import regex_shape
-from mmgate.api.protocol import parse_chat_request
-from mmgate.api.structured import request_constraint
+from mmgate.request.constraint_limits import regex_shape
+from mmgate.request.parse import parse_chat_request
+from mmgate.request.structured import request_constraint
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.settings import ConstraintLimits, parse_settings
 from mmgate.types import Constraint, ConstraintKind

@@ -291,8 +291,8 @@ def test_tensors_sent_through_shared_memory_are_logged_as_shm_writes(caplog: pyt
     from transformers import AutoProcessor
 
     from mmgate import timing_log
-    from mmgate.api.app import build_state
-    from mmgate.api.protocol import parse_chat_request
+    from mmgate.gateway.state import build_state
+    from mmgate.request.parse import parse_chat_request
     from mmgate.engines.vllm import encode_generate_request
     from mmgate.settings import Settings
     from mmgate.transport.dtypes import EncoderDtype

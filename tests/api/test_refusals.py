@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmgate.api.app import build_state, create_app
+from mmgate.api.app import create_app
+from mmgate.gateway.state import build_state
 from mmgate.launch import free_port
 from mmgate.settings import FetchSettings, Settings
 from tests.conftest import bundle_dir

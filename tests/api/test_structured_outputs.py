@@ -22,9 +22,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from mmgate.api.output_parsing import output_parsing
-from mmgate.api.protocol import parse_chat_request
+from mmgate.request.parse import parse_chat_request
 from mmgate.api.reasoning import ReasoningStream, split_reasoning
-from mmgate.api.structured import ToolChoice, ToolMode, request_constraint, required_tools_schema, template_tools
+from mmgate.request.structured import ToolChoice, ToolMode, request_constraint, required_tools_schema, template_tools
 from mmgate.api.tool_parsing import ToolCallStream, parse_hermes
 from mmgate.chat.template import render_chat
 from mmgate.engines.vllm import sampling_message

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmgate.api.protocol import parse_chat_request
+from mmgate.request.parse import parse_chat_request
 from mmgate.engines.base import Capabilities, EncodedRequest, Role, Wire
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.launch import Child, start_gateway, wait_http_health

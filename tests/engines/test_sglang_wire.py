@@ -26,7 +26,7 @@ import torch
 from PIL import Image
 
 from mmgate import metrics
-from mmgate.api.protocol import parse_chat_request
+from mmgate.request.parse import parse_chat_request
 from mmgate.engines.base import Bootstrap, Role
 from mmgate.engines.sglang import (
     JSON_OBJECT_SCHEMA,

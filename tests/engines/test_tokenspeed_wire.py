@@ -30,7 +30,7 @@ import torch
 from PIL import Image
 from smg_grpc_proto.generated import tokenspeed_scheduler_pb2 as pb
 
-from mmgate.api.protocol import parse_chat_request
+from mmgate.request.parse import parse_chat_request
 from mmgate.engines.adapter import TokenSpeedAdapter
 from mmgate.engines.base import Bootstrap, Role
 from mmgate.engines.tokenspeed import (

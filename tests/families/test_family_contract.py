@@ -135,10 +135,11 @@ def test_pixel_cache_hit_equals_miss(model_type: str) -> None:
     import base64
     from concurrent.futures import ThreadPoolExecutor
 
-    from mmgate.api.protocol import parse_chat_request
+    from mmgate.request.parse import parse_chat_request
     from mmgate.cache import PixelCache
     from mmgate.media.fetch import MediaFetcher
-    from mmgate.pipeline import ModelRuntime, Pipeline
+    from mmgate.pipeline import Pipeline
+    from mmgate.runtime import ModelRuntime
     from mmgate.settings import Settings
 
     family, entry = family_for(model_type, BACKENDS[0])

@@ -51,7 +51,7 @@ def ssrf_gateway(model: Path, served_name: str, worker_port: int, network_backen
         return MediaFetcher(fetch_settings, resolver=resolver, network_backend=network_backend)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("mmgate.api.app.MediaFetcher", fetcher)
+        mp.setattr("mmgate.gateway.state.MediaFetcher", fetcher)
         with gateway_in_thread(settings) as base:
             mp.undo()
             yield base

@@ -16,7 +16,7 @@ with torch:
   of the bytes, shape, dtype) and the auxiliary tensors equal.  The default run takes a sample
   of each corpus (the parity tests' own ``sample``/edge choices, at most ~1.5 Mpx); the ``slow``
   run takes every edge size and the live tier's >= 200 random sizes per family.
-* whole requests through the app's own state (``mmgate.api.app.build_state`` +
+* whole requests through the app's own state (``mmgate.gateway.state.build_state`` +
   ``pipeline.prepare``): a two-image chat (reference: ``processor(text=apply_chat_template(...,
   tokenize=False), images=...)``) and video clips (reference: ``tests/video/video_support.reference``
   with ``vllm_video_kwargs``, the default ``--video-frame-sampling``,

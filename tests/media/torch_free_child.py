@@ -97,8 +97,8 @@ def run_images(jobs: list[dict], out: dict) -> None:
 
 
 def run_requests(jobs: list[dict], out: dict) -> None:
-    from mmgate.api.app import build_state
-    from mmgate.api.protocol import parse_chat_request
+    from mmgate.gateway.state import build_state
+    from mmgate.request.parse import parse_chat_request
     from mmgate.settings import ImageBackend, Settings, VideoSettings
 
     for job in jobs:

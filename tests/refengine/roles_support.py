@@ -30,7 +30,7 @@ from smg_grpc_proto.generated import (
     vllm_engine_pb2_grpc,
 )
 
-from mmgate.api.protocol import parse_chat_request
+from mmgate.request.parse import parse_chat_request
 from mmgate.engines import sglang, tokenspeed, vllm
 from mmgate.engines.base import Bootstrap, Role, Wire
 from mmgate.refengine.config import EngineConfig

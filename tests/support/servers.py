@@ -14,7 +14,8 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
-from mmgate.api.app import GatewayState, build_state, create_app
+from mmgate.api.app import create_app
+from mmgate.gateway.state import GatewayState, build_state
 from mmgate.api.server import uvicorn_config
 from mmgate.launch import free_port, gateway_answers
 from mmgate.settings import Settings

@@ -266,8 +266,8 @@ def test_encoded_request_parses_to_the_built_message() -> None:
 
     from smg_grpc_proto.generated import vllm_engine_pb2
 
-    from mmgate.api.app import build_state
-    from mmgate.api.protocol import parse_chat_request
+    from mmgate.gateway.state import build_state
+    from mmgate.request.parse import parse_chat_request
     from mmgate.engines.vllm import build_generate_request, encode_generate_request
     from mmgate.transport.dtypes import EncoderDtype
     from mmgate.transport.policy import WirePlan
@@ -296,8 +296,8 @@ def _prepare_both(body: dict, raw: bool = False, **settings_kw: object) -> tuple
     """The same request prepared with arrays and with deferred pixels (same request id)."""
     import json
 
-    from mmgate.api.app import build_state
-    from mmgate.api.protocol import parse_chat_request
+    from mmgate.gateway.state import build_state
+    from mmgate.request.parse import parse_chat_request
 
     state = build_state(Settings(model=str(bundle_dir(MODEL)), preprocess_threads=2, **settings_kw))
     req = parse_chat_request(json.dumps(body).encode())

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from mmgate.api.app import build_state
-from mmgate.api.protocol import parse_chat_request
+from mmgate.gateway.state import build_state
+from mmgate.request.parse import parse_chat_request
 from mmgate.errors import GatewayError
 from mmgate.settings import Settings
 from tests.conftest import bundle_dir

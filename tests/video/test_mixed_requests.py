@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmgate.api.protocol import parse_chat_request
+from mmgate.request.parse import parse_chat_request
 from mmgate.pipeline import Pipeline
 from tests.video.video_support import (
     QWEN2_5,

@@ -91,7 +91,7 @@ def test_video_backend_is_torchvision_whatever_the_image_backend_and_imports_no_
     assert geometry.resolve_backend(auto) is tv and geometry.resolve_backend(pil) is pil
     script = (
         "import sys\n"
-        "from mmgate.api.app import build_state\n"
+        "from mmgate.gateway.state import build_state\n"
         "from mmgate.settings import ImageBackend, Settings\n"
         f"state = build_state(Settings(model={str(bundle_dir('Qwen/Qwen3-VL-2B-Instruct'))!r}, "
         "image_backend=ImageBackend.PIL))\n"

@@ -20,7 +20,7 @@ import httpx
 import numpy as np
 import pytest
 
-from mmgate.api.protocol import parse_chat_request
+from mmgate.request.parse import parse_chat_request
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.launch import free_port
 from mmgate.pipeline import Pipeline

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mmgate.api.protocol import parse_chat_request
+from mmgate.request.parse import parse_chat_request
 from mmgate.media.fetch import MediaFetcher
 from mmgate.media.video import decode_video, upright_turns
 from mmgate.pipeline import Pipeline

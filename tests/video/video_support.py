@@ -36,13 +36,14 @@ from typing import Any
 import av
 import numpy as np
 
-from mmgate.api.protocol import parse_chat_request
+from mmgate.request.parse import parse_chat_request
 from mmgate.chat.tokenizer import load_tokenizer
 from mmgate.launch import free_port
 from mmgate.media.fetch import MediaFetcher
 from mmgate.models.bundle import load_bundle
 from mmgate.models.registry import load_family
-from mmgate.pipeline import ModelRuntime, Pipeline
+from mmgate.pipeline import Pipeline
+from mmgate.runtime import ModelRuntime
 from mmgate.settings import FetchSettings, FrameSampling, ImageBackend, Settings, VideoSettings
 from mmgate.types import PreparedRequest
 from tests.conftest import bundle_dir

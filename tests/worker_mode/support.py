@@ -34,7 +34,8 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from mmgate.api.app import GatewayState, build_state, create_app
+from mmgate.api.app import create_app
+from mmgate.gateway.state import GatewayState, build_state
 from mmgate.launch import free_port, gateway_answers
 from mmgate.settings import Settings
 

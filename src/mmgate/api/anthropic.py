@@ -38,9 +38,12 @@ from fastapi.responses import JSONResponse, Response
 from tokenizers.decoders import DecodeStream
 
 from mmgate import metrics
-from mmgate.api.answer import EngineAnswer, start_chat
+from mmgate.api.answer import start_chat
 from mmgate.api.disconnect import until_disconnect
-from mmgate.api.protocol import (
+from mmgate.api.http import error_response, parse_off_loop, request_body
+from mmgate.api.responses import EngineStreamingResponse
+from mmgate.errors import ErrorCode, GatewayError
+from mmgate.request.protocol import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_TOKENS_LIMIT,
@@ -53,13 +56,12 @@ from mmgate.api.protocol import (
     TextPart,
     check_json_depth,
 )
-from mmgate.api.responses import EngineStreamingResponse
-from mmgate.errors import ErrorCode, GatewayError
+from mmgate.routing.dispatch import EngineAnswer
 
 if TYPE_CHECKING:
-    from mmgate.api.app import GatewayState
     from mmgate.chat.tokenizer import BundleTokenizer
     from mmgate.engines.base import EngineEvent
+    from mmgate.gateway.state import GatewayState
 
 log = logging.getLogger("mmgate.api")
 
@@ -274,7 +276,7 @@ def _anthropic_param(exc: GatewayError, has_system: bool) -> GatewayError:
 
 def anthropic_error_response(exc: GatewayError, render: Callable[[GatewayError], Response]) -> JSONResponse:
     """The Anthropic-shaped response of ``exc``: the status, ``X-SMG-Error-Code`` and ``Retry-After`` of
-    ``render`` (the gateway's one rendering, :func:`mmgate.api.app.error_response`, which counts it)."""
+    ``render`` (the gateway's one rendering, :func:`mmgate.api.http.error_response`, which counts it)."""
     base = render(exc)
     headers = {k: v for k in ("X-SMG-Error-Code", "Retry-After") if (v := base.headers.get(k)) is not None}
     return JSONResponse(anthropic_error_body(exc), status_code=exc.status, headers=headers)
@@ -430,12 +432,6 @@ def register_anthropic(app: FastAPI, state: GatewayState, body_limit: int) -> No
     The ``anthropic-version`` and ``x-api-key`` headers are accepted and ignored.  Every failure,
     unexpected ones included (500 ``api_error``, logged), is answered in Anthropic's error shape.
     """
-    from mmgate.api.app import (  # app.py imports this module
-        error_response,
-        parse_off_loop,
-        request_body,
-    )
-
     @app.post(MESSAGES_PATH)
     async def messages(request: Request) -> Response:
         has_system = False

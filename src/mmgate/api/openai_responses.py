@@ -5,7 +5,7 @@ message items whose content is a string or ``input_text`` / ``input_image`` / ``
 parts, ``instructions``, ``max_output_tokens``, ``temperature``, ``top_p``, ``stream``); out: a
 ``response`` object, or its SSE event sequence (``response.created`` ... ``response.completed``,
 every event with a ``sequence_number``).  The request is translated into a
-:class:`~mmgate.api.protocol.ChatCompletionRequest` (``instructions`` -> a leading system message,
+:class:`~mmgate.request.protocol.ChatCompletionRequest` (``instructions`` -> a leading system message,
 ``input_image`` -> an ``image_url`` part, ``max_output_tokens`` -> ``max_tokens``) and answered by
 :func:`mmgate.api.answer.start_chat`, so planning, media intake, preprocessing and the engine call
 are the chat endpoint's own and ``usage.input_tokens`` equals the chat ``prompt_tokens`` of the same
@@ -43,10 +43,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from mmgate import metrics
-from mmgate.api.answer import EngineAnswer, start_chat
+from mmgate.api.answer import start_chat
 from mmgate.api.choice_text import ChoiceText
 from mmgate.api.disconnect import until_disconnect
-from mmgate.api.protocol import (
+from mmgate.api.http import parse_off_loop, request_body
+from mmgate.api.responses import EngineStreamingResponse
+from mmgate.errors import ErrorCode, GatewayError
+from mmgate.request.protocol import (
     MAX_TOKENS_LIMIT,
     TEMPERATURE_RANGE,
     ChatCompletionRequest,
@@ -57,13 +60,12 @@ from mmgate.api.protocol import (
     TextPart,
     check_json_depth,
 )
-from mmgate.api.responses import EngineStreamingResponse
-from mmgate.errors import ErrorCode, GatewayError
+from mmgate.routing.dispatch import EngineAnswer
 
 if TYPE_CHECKING:
-    from mmgate.api.app import GatewayState
     from mmgate.chat.tokenizer import BundleTokenizer
     from mmgate.engines.base import EngineEvent
+    from mmgate.gateway.state import GatewayState
 
 
 # ---- request shapes --------------------------------------------------------------------------
@@ -251,7 +253,7 @@ def parse_responses_request(body: bytes) -> ResponsesRequest:
 
 
 def _check_values(req: ResponsesRequest) -> None:
-    """Ranges as the chat endpoint's (:mod:`mmgate.api.protocol`), under the Responses names.
+    """Ranges as the chat endpoint's (:mod:`mmgate.request.protocol`), under the Responses names.
 
     Raises:
         GatewayError(INVALID_REQUEST): the first field out of range or unsupported, named in ``param``.
@@ -508,8 +510,6 @@ async def answer_responses(state: GatewayState, req: ResponsesRequest) -> Respon
 def register_responses(app: FastAPI, state: GatewayState, body_limit: int) -> None:
     """Add ``POST /v1/responses`` to ``app`` (body read within ``state.settings.http``'s deadlines and
     ``body_limit`` bytes, as the chat endpoint's; the work cancelled when the client leaves)."""
-    from mmgate.api.app import parse_off_loop, request_body
-
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         async with request_body(state, request, body_limit) as body:

@@ -19,10 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmgate.api.protocol import ChatCompletionRequest
 from mmgate.api.reasoning import ReasoningStream, prompt_opens_thinking, split_reasoning, template_thinks
-from mmgate.api.structured import ToolChoice, ToolMode, request_constraint, tool_choice
 from mmgate.api.tool_parsing import ToolCallStream, parse_tool_calls
+from mmgate.request.protocol import ChatCompletionRequest
+from mmgate.request.structured import ToolChoice, ToolMode, request_constraint, tool_choice
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,10 +29,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from mmgate import metrics
 from mmgate.api.choice_text import ChoiceText
 from mmgate.api.output_parsing import PLAIN, OutputParsing
-from mmgate.api.structured import ToolMode
 from mmgate.chat.tokenizer import BundleTokenizer
 from mmgate.engines.base import EngineEvent
 from mmgate.errors import ErrorCode, GatewayError
+from mmgate.request.structured import ToolMode
 from mmgate.types import PreparedRequest
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop", "": "stop"}
@@ -189,7 +189,7 @@ class EngineStreamingResponse(StreamingResponse):
     generator that never started (the client left between the handler's return and the first chunk)
     never runs it: this response closes the body and the engine stream and calls ``release`` when it
     ends, however it ends (``release`` and ``aclose`` are idempotent), then every release handed to
-    :meth:`release_after` (the request body's hold on the idle trimmer, :class:`mmgate.api.app.RequestBody`).
+    :meth:`release_after` (the request body's hold on the idle trimmer, :class:`mmgate.api.http.RequestBody`).
     """
 
     def __init__(self, body: AsyncIterator[bytes], release: Callable[[], None],

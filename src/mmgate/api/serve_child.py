@@ -147,7 +147,8 @@ def main(argv: Sequence[str]) -> int:
 
     threading.Thread(target=watch_parent, args=(spec.life_fd, stop), daemon=True, name="mmgate-parent").start()
 
-    from mmgate.api.app import build_state, create_app
+    from mmgate.api.app import create_app
+    from mmgate.gateway.state import build_state
     from mmgate.api.server import uvicorn_config
     from mmgate.errors import GatewayError
 

@@ -17,7 +17,7 @@ answers plain text.  :class:`GuardedH11Protocol` adds, per connection:
 * uvicorn's 400 for an unparsable request (including headers over h11's 16 KiB)
   rendered as the error body ``invalid_request``.
 
-The body deadline lives in :func:`mmgate.api.app.read_body`.
+The body deadline lives in :func:`mmgate.api.http.read_body`.
 :class:`CloseUnreadBody` adds ``Connection: close`` to any response sent before
 its request body was read to the end (413, 415, 408, 404 ...), so a slow body
 cannot keep the connection once it has been answered.
@@ -50,7 +50,7 @@ log = logging.getLogger("mmgate.api.server")
 def error_bytes(exc: GatewayError) -> tuple[bytes, list[tuple[bytes, bytes]]]:
     """The error body and headers of ``exc`` for a response that closes the connection.
 
-    Mirrors :func:`mmgate.api.app.error_response` (body, ``X-SMG-Error-Code``, ``Retry-After``
+    Mirrors :func:`mmgate.api.http.error_response` (body, ``X-SMG-Error-Code``, ``Retry-After``
     for retryable codes) and counts the code in ``mmgate_errors_total``.
     """
     metrics.ERRORS.labels(exc.code.value).inc()

@@ -2,7 +2,7 @@
 
 Stage: api response.  In: the detokenized completion (after ``reasoning_content``
 is split off, :mod:`mmgate.api.reasoning`), whole or as streamed pieces, and the
-request's :class:`~mmgate.api.structured.ToolChoice`; out: ``content`` and OpenAI
+request's :class:`~mmgate.request.structured.ToolChoice`; out: ``content`` and OpenAI
 ``tool_calls`` entries (``{"id", "type": "function", "function": {"name", "arguments"}}``,
 ``arguments`` a JSON string), or their streamed ``delta.tool_calls`` pieces.
 
@@ -16,7 +16,7 @@ Formats, by tool mode:
   content (``None`` when empty).  When a block is not JSON of that shape, there are
   no calls and the whole text is the content, as vLLM.
 - ``required``: the output is a JSON array of ``{"name", "parameters"}`` (the
-  constraint of :func:`mmgate.api.structured.required_tools_schema`), read as vLLM's
+  constraint of :func:`mmgate.request.structured.required_tools_schema`), read as vLLM's
   ``serving_chat.py`` reads it; ``content`` is ``None``.
 - ``named``: the whole output is the named function's arguments.
 
@@ -35,7 +35,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmgate.api.structured import ToolChoice, ToolMode
+from mmgate.request.structured import ToolChoice, ToolMode
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"

@@ -27,7 +27,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import grpc
 from smg_grpc_proto.generated import (
@@ -48,6 +48,30 @@ from mmgate.transport.dtypes import EncoderDtype
 from mmgate.transport.policy import WirePlan, wire_plan
 from mmgate.transport.shm import ShmError, ShmLease
 from mmgate.types import MediaRef, Modality, PreparedRequest
+
+
+class EncodeDisaggregation(Protocol):
+    """A wire's encode disaggregation (EPD): each media item encoded by an encode worker in its own RPC, the
+    prefill leg naming where each item's embeddings wait.  Reached through :meth:`WireAdapter.epd`, so
+    routing never names the wire that offers it."""
+
+    def encode_rpc(self) -> tuple[str, Callable[[bytes], Any]]:
+        """(method path, response parser) of the ``Encode`` call of an encode worker."""
+        ...
+
+    def item_hashes(self, prepared: PreparedRequest) -> list[str]:
+        """Each item's content hash, in prompt order (what ``--encode-policy consistent_hashing`` keys on)."""
+        ...
+
+    def encode_item(self, prepared: PreparedRequest, index: int, bootstrap: Bootstrap, plan: WirePlan,
+                    lease: ShmLease | None) -> EncodedRequest:
+        """The encode request of item ``index`` (materialized tensors) for its encode worker."""
+        ...
+
+    def encode_epd_prefill(self, prepared: PreparedRequest, plan: WirePlan, lease: ShmLease | None,
+                           bootstrap: Bootstrap, encode_bootstrap: Sequence[Bootstrap]) -> EncodedRequest:
+        """The prefill leg of an EPD request: items without encoder input, each item's encoder bootstrap."""
+        ...
 
 
 class WireAdapter(ABC):
@@ -161,6 +185,10 @@ class WireAdapter(ABC):
         """A failed call of this wire -> the error table (:func:`mmgate.engines.rpc_errors.map_rpc_error`)."""
         return map_rpc_error(exc)
 
+    def epd(self) -> EncodeDisaggregation | None:
+        """The wire's encode disaggregation, or None for a wire without it (the default)."""
+        return None
+
 
 class VllmAdapter(WireAdapter):
     """``vllm.grpc.engine.VllmEngine`` (:mod:`mmgate.engines.vllm`).  PD: the prefill leg first (one token,
@@ -241,6 +269,9 @@ class TokenSpeedAdapter(WireAdapter):
         return tokenspeed.events(response)
 
     # --- encode disaggregation (EPD; routing/disagg.py, docs/disaggregation.md) ---
+
+    def epd(self) -> EncodeDisaggregation:
+        return self
 
     #: the encoder service's unary call: one item per RPC (``tokenspeed_encoder.proto``)
     ENCODE_METHOD = "/tokenspeed.grpc.encoder.TokenSpeedEncoder/Encode"

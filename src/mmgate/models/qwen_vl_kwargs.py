@@ -33,14 +33,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.models.processor_options import check_option_types, option_error
 from mmgate.types import ItemHints
-
-if TYPE_CHECKING:
-    from mmgate.models.qwen_vl_frames import QwenVLVideoParams
 
 #: model types whose processor kwargs are taken per request (Qwen3-VL takes none here)
 TAKES_OPTIONS = ("qwen2_vl", "qwen2_5_vl")
@@ -118,7 +115,29 @@ def _exclusive(name: str) -> GatewayError:
     return option_error(name, "`num_frames` and `fps` are mutually exclusive arguments, please use only one!")
 
 
-def frame_request(p: QwenVLVideoParams, hints: ItemHints) -> FrameRequest:
+class _FrameDefaults(Protocol):
+    """The sampling defaults :func:`frame_request` reads (``mmgate.models.qwen_vl_frames.QwenVLVideoParams``)."""
+
+    @property
+    def do_sample_frames(self) -> bool: ...
+
+    @property
+    def fps(self) -> float | None: ...
+
+    @property
+    def num_frames(self) -> int | None: ...
+
+    @property
+    def min_frames(self) -> int: ...
+
+    @property
+    def max_frames(self) -> int: ...
+
+    @property
+    def vllm_rate(self) -> bool: ...
+
+
+def frame_request(p: _FrameDefaults, hints: ItemHints) -> FrameRequest:
     """The sampling arguments for one clip, as ``preprocess`` hands them to ``sample_frames``.
 
     The bundle's settings (or, with ``p.vllm_rate``, vLLM's rate), then the request's

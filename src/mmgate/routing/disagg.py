@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation (``--pd-disaggregation``): pair selection and the two legs of one request.
 
 Stage: select worker -> assemble -> transport -> engine, for a pair.  In: a validated chat request and the
-gateway state; out: an :class:`~mmgate.api.answer.EngineAnswer` whose stream is the decode leg's.
+gateway state; out: an :class:`~mmgate.routing.dispatch.EngineAnswer` whose stream is the decode leg's
+(:class:`PdDispatcher`).
 
 Per request (docs/disaggregation.md): the least-loaded healthy prefill worker and the least-loaded healthy
 decode worker of the same wire are picked (:func:`select_pair`).  The media are processed once, for the
@@ -24,7 +25,8 @@ segment the prefill's lease unlinks).  How the legs meet is the wire's (``WireAd
   would be used); a request with media and ``n > 1`` is refused before anything is fetched (400
   ``invalid_request``, param ``n``): the decode leg never carries pixels.
 
-Encode disaggregation (``--epd-disaggregation``, TokenSpeed wire): each media item (prompt order) goes to an
+Encode disaggregation (``--epd-disaggregation``; a wire whose adapter offers it,
+:meth:`~mmgate.engines.adapter.WireAdapter.epd`: TokenSpeed): each media item (prompt order) goes to an
 encode worker picked by ``--encode-policy`` (:func:`pick_encoder`; default rendezvous hashing on the item's
 content hash) in its own ``Encode`` RPC with its own room; the prefill leg carries ``encode_bootstrap_info``
 (per item: the encoder's host, bootstrap port, room) and items without encoder input; a text-only request
@@ -53,25 +55,22 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from mmgate import metrics, timing_log
-from mmgate.api.capability import check_capable, media_kinds
-from mmgate.api.protocol import ChatCompletionRequest
-from mmgate.engines.adapter import TokenSpeedAdapter, WireAdapter
-from mmgate.engines.base import Bootstrap, EncodedRequest, EngineEvent, Role, Wire
+from mmgate.engines.adapter import WireAdapter
+from mmgate.engines.base import Bootstrap, EncodedRequest, EngineEvent, Role
 from mmgate.errors import ErrorCode, GatewayError
+from mmgate.routing.capability import check_capable, media_kinds
+from mmgate.routing.dispatch import Dispatcher, EngineAnswer, finish, router_tally
 from mmgate.routing.mm_processing import Mode
 from mmgate.routing.workers import Worker, WorkerRegistry
 from mmgate.transport.shm import ShmLease
 from mmgate.types import Modality, PreparedRequest
 
 if TYPE_CHECKING:
-    from mmgate.api.answer import EngineAnswer
-    from mmgate.api.app import GatewayState
+    from mmgate.request.protocol import ChatCompletionRequest
+    from mmgate.routing.context import DispatchContext
 
 log = logging.getLogger("mmgate.routing")
 
-#: the wires whose PD handshake this module runs (bootstrap host/port/room on SGLang and TokenSpeed,
-#: ``kv_transfer_params`` on vLLM)
-PD_WIRES = frozenset({Wire.SGLANG, Wire.TOKENSPEED, Wire.VLLM})
 #: SGLang's ``DisaggregatedParams.bootstrap_room`` is an int32 (TokenSpeed's a 63-bit int): rooms fit both
 ROOM_MAX = 2**31 - 1
 
@@ -98,7 +97,7 @@ def bootstrap_port(worker: Worker) -> int:
                        f"{worker.role} worker {worker.url} has no bootstrap port (give --prefill URL BOOTSTRAP_PORT)")
 
 
-def _uses_mrope(state: GatewayState) -> bool:
+def _uses_mrope(state: DispatchContext) -> bool:
     """Whether the served model positions media with M-RoPE (``mrope_section`` in its text config's rope)."""
     config = state.runtime.bundle.config
     for cfg in (config, config.get("text_config") or {}):
@@ -116,14 +115,14 @@ def _n_samples_with_media() -> GatewayError:
                         "the prompt itself, from pixels the decode leg never carries (docs/disaggregation.md)", "n")
 
 
-def needs_full_decode(state: GatewayState, req: ChatCompletionRequest) -> bool:
+def needs_full_decode(state: DispatchContext, req: ChatCompletionRequest) -> bool:
     """Whether ``req`` is one a language-model-only decode worker cannot serve (the refusals of
     :func:`check_pd_request`)."""
     has_media = bool(media_kinds(req))
     return req.n > 1 or (has_media and (_uses_mrope(state) or state.settings.mm_processing.value == Mode.WORKER.value))
 
 
-def check_pd_request(state: GatewayState, req: ChatCompletionRequest) -> None:
+def check_pd_request(state: DispatchContext, req: ChatCompletionRequest) -> None:
     """The refusals of PD mode that need nothing fetched: a language-model-only decode worker and a request it
     cannot serve; ``n > 1`` with media when every prefill worker is of a wire whose handoff serves one choice
     (vLLM).
@@ -139,7 +138,7 @@ def check_pd_request(state: GatewayState, req: ChatCompletionRequest) -> None:
             raise _n_samples_with_media()
 
 
-def _check_language_model_only(state: GatewayState, req: ChatCompletionRequest) -> None:
+def _check_language_model_only(state: DispatchContext, req: ChatCompletionRequest) -> None:
     decoders = [w for w in state.workers.workers if w.assigned_role is Role.DECODE and w.caps is not None]
     if not decoders or not all(w.caps is not None and w.caps.language_model_only for w in decoders):
         return
@@ -169,7 +168,7 @@ def select_pair(registry: WorkerRegistry, modalities: frozenset[Modality],
     """
     prefill = registry.select(modalities, Role.PREFILL)
     wire, adapter = prefill.wire, prefill.adapter
-    if Wire(wire) not in PD_WIRES or adapter is None or Role.PREFILL not in adapter.roles:
+    if adapter is None or Role.PREFILL not in adapter.roles:  # a wire whose adapter encodes no PD legs
         raise GatewayError(ErrorCode.NO_HEALTHY_WORKER,
                            f"prefill/decode disaggregation over the {wire} wire is not implemented "
                            "(docs/disaggregation.md)")
@@ -205,9 +204,9 @@ class _EncodeFailed(Exception):
 async def _encode_call(worker: Worker, request: EncodedRequest) -> None:
     """One item's ``Encode`` RPC, counted in the encode worker's ``in_flight`` while it runs (``GET /workers``,
     ``mmgate_active_requests``)."""
-    adapter = worker.adapter
-    assert isinstance(adapter, TokenSpeedAdapter) and worker.client is not None
-    method, parse = adapter.encode_rpc()
+    epd = worker.adapter.epd() if worker.adapter is not None else None
+    assert epd is not None and worker.client is not None
+    method, parse = epd.encode_rpc()
     release = worker.hold()
     try:
         await worker.client.unary(method, parse, request)
@@ -254,21 +253,23 @@ def pick_encoder(workers: list[Worker], content_hash: str, policy: str) -> Worke
     return max(workers, key=lambda w: hashlib.blake2b(f"{w.url}|{content_hash}".encode(), digest_size=8).digest())
 
 
-def _encode_legs(state: GatewayState, adapter: WireAdapter, message: PreparedRequest,
+def _encode_legs(state: DispatchContext, adapter: WireAdapter, message: PreparedRequest,
                  lease: ShmLease) -> list[tuple[Worker, Bootstrap, EncodedRequest]]:
     """One Encode RPC per item (prompt order), each with its encode worker's bootstrap and its own room;
     none for a text-only request.
 
     Raises:
-        GatewayError(NO_HEALTHY_WORKER): items but no healthy encode worker of the TokenSpeed wire.
+        GatewayError(NO_HEALTHY_WORKER): the prefill's wire has no encode disaggregation
+            (:meth:`~mmgate.engines.adapter.WireAdapter.epd`), or items but no healthy encode worker of it.
     """
-    if not isinstance(adapter, TokenSpeedAdapter):
+    epd = adapter.epd()
+    if epd is None:
         raise GatewayError(ErrorCode.NO_HEALTHY_WORKER, "encode disaggregation runs on the tokenspeed wire only")
-    hashes = adapter.item_hashes(message)
+    hashes = epd.item_hashes(message)
     if not hashes:
         return []
     encoders = [w for w in state.workers.workers
-                if w.assigned_role is Role.ENCODE and w.healthy and w.wire == Wire.TOKENSPEED.value]
+                if w.assigned_role is Role.ENCODE and w.healthy and w.wire == adapter.wire.value]
     if not encoders:
         raise GatewayError(ErrorCode.NO_HEALTHY_WORKER, "no healthy encode worker")
     legs = []
@@ -276,11 +277,20 @@ def _encode_legs(state: GatewayState, adapter: WireAdapter, message: PreparedReq
         worker = pick_encoder(encoders, content_hash, state.settings.encode_policy)
         boot = Bootstrap(worker.target.rpartition(":")[0], bootstrap_port(worker), mint_room())
         plan = adapter.plan(state.settings.transport, worker.labels)
-        legs.append((worker, boot, adapter.encode_item(message, index, boot, plan, lease)))
+        legs.append((worker, boot, epd.encode_item(message, index, boot, plan, lease)))
     return legs
 
 
-async def start_pd(state: GatewayState, req: ChatCompletionRequest, request_id: str,
+class PdDispatcher(Dispatcher):
+    """A prefill/decode pair per request, with encode workers under ``--epd-disaggregation`` (see the
+    module docstring)."""
+
+    async def start(self, state: DispatchContext, req: ChatCompletionRequest, request_id: str,
+                    record: timing_log.RequestTiming | None) -> EngineAnswer:
+        return await start_pd(state, req, request_id, record)
+
+
+async def start_pd(state: DispatchContext, req: ChatCompletionRequest, request_id: str,
                    record: timing_log.RequestTiming | None) -> EngineAnswer:
     """Run ``req`` disaggregated up to the decode leg's first response (see the module docstring).
 
@@ -326,11 +336,9 @@ async def _prefill_answer(responses: AsyncGenerator[EngineEvent, None]) -> str |
     return params
 
 
-async def _start_sequential(state: GatewayState, prepared: PreparedRequest, prefill: Worker, decode: Worker,
+async def _start_sequential(state: DispatchContext, prepared: PreparedRequest, prefill: Worker, decode: Worker,
                             record: timing_log.RequestTiming | None) -> EngineAnswer:
     """The vLLM handshake: the prefill leg answered first, its ``kv_transfer_params`` to the decode leg."""
-    from mmgate.api.answer import EngineAnswer, _router_counts, timing_header
-
     adapter, decode_adapter = prefill.adapter, decode.adapter
     assert adapter is not None and decode_adapter is not None
     assert prefill.client is not None and decode.client is not None
@@ -376,27 +384,13 @@ async def _start_sequential(state: GatewayState, prepared: PreparedRequest, pref
     except BaseException:
         release()
         raise
-    start = time.perf_counter()
-    try:
-        first = await anext(responses)
-        timings["engine_first_response"] = (time.perf_counter() - start) * 1000.0
-    except BaseException:
-        release()
-        await responses.aclose()
-        raise
-    grant.release()  # both legs have read their tensors
-    counts, original = _router_counts(prepared)
-    timing_log.request_done(record, mode=Mode.ROUTER.value, counts=counts, timings=timings,
-                            original_tokens=original, expanded_tokens=len(prepared.input_ids), handed_over=start)
-    headers = {"X-Mmgate-Stage-Ms": timing_header(timings), "X-Request-Id": prepared.request_id}
-    return EngineAnswer(prepared, first, responses, release, headers)
+    # both legs have read their tensors once the decode leg has answered
+    return await finish(prepared, responses, release, record, router_tally(prepared), answered=(grant.release,))
 
 
-async def _start_together(state: GatewayState, prepared: PreparedRequest, prefill: Worker, decode: Worker,
+async def _start_together(state: DispatchContext, prepared: PreparedRequest, prefill: Worker, decode: Worker,
                           record: timing_log.RequestTiming | None) -> EngineAnswer:
     """The SGLang / TokenSpeed handshake: one minted bootstrap on both legs, sent together (and the EPD legs)."""
-    from mmgate.api.answer import EngineAnswer, _router_counts, timing_header
-
     request_id = prepared.request_id
     adapter, decode_adapter = prefill.adapter, decode.adapter
     assert adapter is not None and decode_adapter is not None and prefill.client is not None
@@ -428,9 +422,9 @@ async def _start_together(state: GatewayState, prepared: PreparedRequest, prefil
                 message = await adapter.materialize(prepared)
         encodes = _encode_legs(state, adapter, message, lease) if state.settings.epd_disaggregation else []
         with metrics.stage("assemble", timings):
-            if encodes:
-                assert isinstance(adapter, TokenSpeedAdapter)
-                prefill_leg = adapter.encode_epd_prefill(message, plan, lease, boot, [b for _, b, _ in encodes])
+            epd = adapter.epd() if encodes else None
+            if epd is not None:
+                prefill_leg = epd.encode_epd_prefill(message, plan, lease, boot, [b for _, b, _ in encodes])
             else:
                 prefill_leg = adapter.encode(message, Role.PREFILL, plan, lease, bootstrap=boot)
             decode_leg = decode_adapter.encode(message, Role.DECODE, decode_plan, None, bootstrap=boot,
@@ -455,33 +449,30 @@ async def _start_together(state: GatewayState, prepared: PreparedRequest, prefil
             drain.cancel()
         release()
         raise
-    start = time.perf_counter()
-    first_call: asyncio.Task[EngineEvent] = asyncio.ensure_future(anext(responses))
-    try:
-        await asyncio.wait({first_call, drain}, return_when=asyncio.FIRST_COMPLETED)
-        if not first_call.done() and drain.exception() is not None:
-            first_call.cancel()  # an encode or prefill leg failed: the decode leg would wait for a handoff
-            raise _side_error(drain.exception())
-        first = await first_call
-        timings["engine_first_response"] = (time.perf_counter() - start) * 1000.0
-    except BaseException as exc:
-        if not first_call.done():
-            first_call.cancel()
-        with contextlib.suppress(BaseException):
-            await first_call
-        await responses.aclose()
-        failed = drain.done() and not drain.cancelled() and drain.exception() is not None
-        if not drain.done():
-            drain.cancel()
-        with contextlib.suppress(BaseException):
-            await drain
-        release()
-        if failed and isinstance(exc, GatewayError):
-            raise _side_error(drain.exception()) from None  # the prefill's (or encoder's) failure explains it
-        raise
-    counts, original = _router_counts(prepared)
-    timing_log.request_done(record, mode=Mode.ROUTER.value, counts=counts, timings=timings,
-                            original_tokens=original, expanded_tokens=len(prepared.input_ids), handed_over=start)
-    headers = {"X-Mmgate-Stage-Ms": timing_header(timings), "X-Request-Id": prepared.request_id,
-               "X-Mmgate-Pd-Room": str(boot.room)}
-    return EngineAnswer(prepared, first, responses, release, headers)
+    side = drain
+
+    async def first_or_side_failure() -> EngineEvent:
+        """The decode leg's first event; a failed prefill/encode side ends the wait with its error."""
+        first_call: asyncio.Task[EngineEvent] = asyncio.ensure_future(anext(responses))
+        try:
+            await asyncio.wait({first_call, side}, return_when=asyncio.FIRST_COMPLETED)
+            if not first_call.done() and side.exception() is not None:
+                first_call.cancel()  # an encode or prefill leg failed: the decode leg would wait for a handoff
+                raise _side_error(side.exception())
+            return await first_call
+        except BaseException as exc:
+            if not first_call.done():
+                first_call.cancel()
+            with contextlib.suppress(BaseException):
+                await first_call
+            failed = side.done() and not side.cancelled() and side.exception() is not None
+            if not side.done():
+                side.cancel()
+            with contextlib.suppress(BaseException):
+                await side
+            if failed and isinstance(exc, GatewayError):
+                raise _side_error(side.exception()) from None  # the prefill's (or encoder's) failure explains it
+            raise
+
+    return await finish(prepared, responses, release, record, router_tally(prepared), first=first_or_side_failure,
+                        headers={"X-Mmgate-Pd-Room": str(boot.room)})

@@ -35,12 +35,12 @@ from enum import StrEnum
 import msgspec
 
 from mmgate import metrics
-from mmgate.api.protocol import ChatCompletionRequest, ImagePart, TextPart, VideoPart
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.fetch import url_scheme
 from mmgate.models.family import Family, processor
-from mmgate.pipeline import ModelRuntime
+from mmgate.request.protocol import ChatCompletionRequest, ImagePart, TextPart, VideoPart
 from mmgate.routing.workers import Worker, WorkerRegistry
+from mmgate.runtime import ModelRuntime
 from mmgate.settings import FetchSettings, MmProcessing, Settings
 from mmgate.types import MediaRef, Modality
 

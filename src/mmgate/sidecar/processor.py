@@ -32,7 +32,8 @@ from mmgate.media.fetch import ALLOWED_SCHEMES, MediaFetcher, check_scheme
 from mmgate.models.bundle import resolve_bundle
 from mmgate.models.geometry import resolve_backend
 from mmgate.models.registry import load_family
-from mmgate.pipeline import ModelRuntime, Pipeline
+from mmgate.pipeline import Pipeline
+from mmgate.runtime import ModelRuntime
 from mmgate.planning import RequestPlan
 from mmgate.settings import Settings
 from mmgate.sidecar.config import ProcessingConfig

@@ -2,7 +2,7 @@
 
 Stage: api (checked by ``parse_chat_request``) and pipeline (``Pipeline._sampling``
 maps the request's constraint onto :class:`~mmgate.types.SamplingParams`).  In: a
-decoded :class:`~mmgate.api.protocol.ChatCompletionRequest`; out: the constraint
+decoded :class:`~mmgate.request.protocol.ChatCompletionRequest`; out: the constraint
 (or ``None``) and the request's :class:`ToolMode`.
 
 Sources of a constraint, at most one per request (vLLM refuses more than one:
@@ -19,7 +19,7 @@ per tool (``$defs`` of the tools hoisted); a named function -> that function's
 Invariants: every refusal is a 400 ``invalid_request`` whose ``param`` names the
 field and whose message never quotes the caller's value.  With the gateway's
 :class:`~mmgate.settings.ConstraintLimits` (``parse_chat_request``), each constraint's
-shape is bounded before it is accepted (:mod:`mmgate.api.constraint_limits`): nothing a
+shape is bounded before it is accepted (:mod:`mmgate.request.constraint_limits`): nothing a
 caller sends can make a worker's grammar compiler freeze or crash, and JSON text given in
 a string is depth-scanned before it is decoded.
 """
@@ -34,8 +34,8 @@ from typing import Any
 
 import msgspec
 
-from mmgate.api import constraint_limits as bounds
-from mmgate.api.protocol import ChatCompletionRequest, NamedToolChoice, Tool, check_json_depth
+from mmgate.request import constraint_limits as bounds
+from mmgate.request.protocol import ChatCompletionRequest, NamedToolChoice, Tool, check_json_depth
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.settings import CONSTRAINT_DEPTH_CEILING, ConstraintLimits
 from mmgate.types import Constraint, ConstraintKind
@@ -257,7 +257,7 @@ def request_constraint(req: ChatCompletionRequest, limits: ConstraintLimits | No
     """The request's one structured-output constraint, checked (``None`` when it has none).
 
     With ``limits`` (the gateway's, at parse time), each constraint's shape is bounded too
-    (:mod:`mmgate.api.constraint_limits`); without, the request is taken as already checked
+    (:mod:`mmgate.request.constraint_limits`); without, the request is taken as already checked
     (later stages build the same constraint again).
 
     Raises:

@@ -1,6 +1,6 @@
 """Shape bounds of one structured-output or tool-choice constraint, checked before anything is sent.
 
-Stage: api (``parse_chat_request`` -> :func:`mmgate.api.structured.request_constraint`).  In: one
+Stage: api (``parse_chat_request`` -> :func:`mmgate.request.structured.request_constraint`).  In: one
 constraint's value as the request gives it (a JSON schema object, a regex, an EBNF grammar, the
 choices, a structural tag) and the gateway's :class:`~mmgate.settings.ConstraintLimits`; out:
 nothing, or a 400 ``invalid_request`` whose ``param`` names the field and whose message names the

@@ -1,7 +1,8 @@
 """OpenAI chat-completion request shapes (msgspec structs) and their value checks.
 
-Stage: api.  In: the raw JSON body; out: a validated
-:class:`ChatCompletionRequest`.  Content parts are a tagged union on ``type``:
+Stage: request (below api/; every endpoint's request becomes one).  In: the raw JSON body; out: a
+decoded, value-checked :class:`ChatCompletionRequest` (:func:`mmgate.request.parse.parse_chat_request`
+adds the constraint check).  Content parts are a tagged union on ``type``:
 ``text``, ``image_url``, ``video_url``, ``input_audio``, ``image_embeds`` (parsed so that it is
 refused as ``multimodal_not_supported``: no engine wire takes embeddings, docs/engines.md); anything
 else is a 400 ``invalid_request``.  An unknown top-level field is refused with 400
@@ -27,7 +28,6 @@ import msgspec
 import numpy as np
 
 from mmgate.errors import ErrorCode, GatewayError
-from mmgate.settings import ConstraintLimits
 
 
 class ImageURL(msgspec.Struct, frozen=True):
@@ -69,7 +69,7 @@ class AudioPart(msgspec.Struct, frozen=True, tag_field="type", tag="input_audio"
 
 class ImageEmbedsPart(msgspec.Struct, frozen=True, tag_field="type", tag="image_embeds"):
     """vLLM's ``image_embeds`` part (``ChatCompletionContentPartImageEmbedsParam``): precomputed embeddings.
-    Refused before planning (:mod:`mmgate.api.capability`): no engine wire carries them."""
+    Refused before planning (:mod:`mmgate.routing.capability`): no engine wire carries them."""
 
     image_embeds: str | dict[str, str] | None = None
     uuid: str | None = None
@@ -115,7 +115,7 @@ class StreamOptions(msgspec.Struct, frozen=True):
     include_usage: bool = False
 
 
-# ---- structured outputs and tools (H-C2; checked in mmgate.api.structured) ----------------------
+# ---- structured outputs and tools (H-C2; checked in mmgate.request.structured) ----------------------
 
 
 class JsonSchemaFormat(msgspec.Struct, frozen=True):
@@ -195,7 +195,7 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=T
     #: per-request processor options, as vLLM's request field (e.g. Gemma 3 ``do_pan_and_scan``):
     #: scalar values only; which names a model takes is its family's (refused otherwise)
     mm_processor_kwargs: dict[str, bool | int | float | str] | None = None
-    # structured outputs and tools (H-C2): at most one constraint; checked by mmgate.api.structured
+    # structured outputs and tools (H-C2): at most one constraint; checked by mmgate.request.structured
     response_format: ResponseFormat | None = None
     guided_json: Any = None  # vLLM's guided fields: a JSON schema (object or its JSON text)
     guided_regex: str | None = None
@@ -261,19 +261,14 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_gen
 _DECODER = msgspec.json.Decoder(ChatCompletionRequest)
 
 
-def parse_chat_request(body: bytes, limits: ConstraintLimits = ConstraintLimits()) -> ChatCompletionRequest:
-    """Decode and validate a chat-completion body.
-
-    Returns the request with ``top_k`` normalized: ``-1`` (vLLM's "disabled",
-    as vLLM users write it) and ``0`` both become ``0``, the wire's "off".
-    ``limits`` bound its structured-output or tool-choice constraint (the gateway's
-    ``--constraint-*`` settings; :mod:`mmgate.api.constraint_limits`).
+def decode_chat_request(body: bytes) -> ChatCompletionRequest:
+    """Decode a chat-completion body and check its values (the constraint and ``top_k`` are
+    :func:`mmgate.request.parse.parse_chat_request`'s).
 
     Raises:
         GatewayError(INVALID_REQUEST): not JSON, nested deeper than
             :data:`MAX_JSON_DEPTH`, not the OpenAI shape, or a value outside its
-            range (``param`` names the JSON path; the message never quotes the value), or a
-            constraint past ``limits``.
+            range (``param`` names the JSON path; the message never quotes the value).
     """
     check_json_depth(body)
     try:
@@ -293,15 +288,6 @@ def parse_chat_request(body: bytes, limits: ConstraintLimits = ConstraintLimits(
     _check_template_kwargs(req.chat_template_kwargs)
     _check_mm_processor_kwargs(req.mm_processor_kwargs)
     _check_hints(req)
-    from mmgate.api.structured import request_constraint  # noqa: PLC0415 - structured imports this module
-    constraint = request_constraint(req, limits)  # structured outputs and tool_choice: at most one constraint, each checked
-    if constraint is not None and req.min_tokens:
-        # The grammar may allow only its stop token while min_tokens masks it: nothing would be left.
-        raise GatewayError(ErrorCode.INVALID_REQUEST,
-                           "min_tokens cannot be combined with a structured-output or tool-choice constraint",
-                           "min_tokens")
-    if req.top_k == -1:
-        req = msgspec.structs.replace(req, top_k=0)
     return req
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mmgate.api.protocol import (
+from mmgate.request.protocol import (
     AudioPart,
     ChatCompletionRequest,
     ImageEmbedsPart,
@@ -27,7 +27,7 @@ from mmgate.api.protocol import (
 from mmgate.engines.capabilities import KIND_MODALITY, MediaKind
 
 if TYPE_CHECKING:
-    from mmgate.api.app import GatewayState
+    from mmgate.routing.context import DispatchContext
 
 _PART_KIND: dict[type, MediaKind] = {ImagePart: MediaKind.IMAGE, VideoPart: MediaKind.VIDEO,
                                      AudioPart: MediaKind.AUDIO, ImageEmbedsPart: MediaKind.IMAGE_EMBEDS}
@@ -46,7 +46,7 @@ def media_kinds(req: ChatCompletionRequest) -> dict[MediaKind, str]:
     return kinds
 
 
-def check_capable(state: GatewayState, req: ChatCompletionRequest) -> None:
+def check_capable(state: DispatchContext, req: ChatCompletionRequest) -> None:
     """See the module docstring.
 
     Raises:

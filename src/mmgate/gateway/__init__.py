@@ -1,0 +1,1 @@
+"""What a running gateway holds (:mod:`mmgate.gateway.state`), below the endpoints of ``api/``."""
