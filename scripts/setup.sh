@@ -16,4 +16,4 @@ fi
 PY=${PYTHON:-python3}
 "$PY" -m pip install -q --disable-pip-version-check --root-user-action=ignore \
     "torch==2.14.1" "torchvision==0.29.1" -e ".[engine,test]"
-"$PY" -c "import mmgate, transformers, torchvision, grpc, smg_grpc_proto, redis, av"
+"$PY" -c "import mmgate, transformers, torchvision, grpc, smg_grpc_proto, smg_grpc_servicer.vllm.mm_tensors, redis, av"

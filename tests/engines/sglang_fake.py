@@ -4,8 +4,9 @@ Written from ``smg_grpc_proto`` ``sglang_scheduler.proto`` (0.4) and the reading
 servicer (smg-grpc-servicer 0.14.1, unpacked at ``/tmp/smgs/x/smg_grpc_servicer``), ported so a
 test sees what the SGLang scheduler would be handed:
 
-* ``tensor_wire.py`` ``tensor_from_parts`` (:func:`tensor_from_parts`, with torch, as there):
-  the dtype table, the byte-count check, ``torch.frombuffer(...).reshape``;
+* tensors are decoded by the installed servicer's own ``tensor_wire.tensor_from_parts``
+  (:mod:`tests.support.servicer_code`; re-exported here with ``PROTO_DTYPE_MAP``): its dtype
+  table and byte-count check, not a copy of them;
 * ``sglang/servicer.py`` ``_convert_generate_request`` (l.939-1010): ``tokenized`` required,
   the bootstrap fields (an empty host or port read as None, the room as it is), ``mm_inputs``
   parsed only when ``pixel_values`` is set, ``logprob_start_len`` / ``top_logprobs_num``;
@@ -37,28 +38,10 @@ from google.protobuf.struct_pb2 import Struct
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-#: ``tensor_wire.py`` ``PROTO_DTYPE_MAP``
-PROTO_DTYPE_MAP: dict[str, torch.dtype] = {
-    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-    "uint8": torch.uint8, "int64": torch.int64, "uint32": torch.uint32,
-}
+from tests.support.servicer_code import PROTO_DTYPE_MAP, sglang_tensor, tensor_from_parts  # noqa: F401 - re-exported
+
 #: the tokens every answer generates
 ANSWER = (101, 102, 103)
-
-
-def tensor_from_parts(payload: bytes, shape: Any, dtype_name: str) -> torch.Tensor:
-    """``tensor_wire.tensor_from_parts``: wire bytes -> tensor, or ``ValueError``."""
-    torch_dtype = PROTO_DTYPE_MAP.get(dtype_name)
-    if torch_dtype is None:
-        raise ValueError(f"Unsupported proto tensor dtype: {dtype_name!r}")
-    dims = list(shape)
-    count = 1
-    for dim in dims:
-        count *= dim
-    if len(payload) != count * torch_dtype.itemsize:
-        raise ValueError(f"TensorData byte length mismatch for dtype={dtype_name!r}, shape={dims}: "
-                         f"expected {count * torch_dtype.itemsize}, got {len(payload)}")
-    return torch.frombuffer(bytearray(payload), dtype=torch_dtype).reshape(*dims)
 
 
 @dataclass
@@ -117,8 +100,8 @@ def convert_sampling_params(p: pb.SamplingParams) -> dict[str, Any]:
 
 def parse_mm_inputs(mm: pb.MultimodalInputs) -> MultimodalItem:
     """``_parse_mm_inputs``."""
-    feature = tensor_from_parts(mm.pixel_values.data, mm.pixel_values.shape, mm.pixel_values.dtype)
-    specific = {k: tensor_from_parts(t.data, t.shape, t.dtype) for k, t in mm.model_specific_tensors.items()}
+    feature = sglang_tensor(mm.pixel_values)
+    specific = {k: sglang_tensor(t) for k, t in mm.model_specific_tensors.items()}
     offsets = [(p.offset, p.offset + p.length - 1) for p in mm.mm_placeholders] or None
     return MultimodalItem(modality="IMAGE", feature=feature, model_specific_data=specific, offsets=offsets,
                           im_token_id=mm.im_token_id if mm.HasField("im_token_id") else None)

@@ -1,18 +1,17 @@
 """A recording TokenSpeed worker on loopback: the scheduler and the encoder service, no model.
 
 Written from ``smg_grpc_proto`` ``tokenspeed_scheduler.proto`` / ``tokenspeed_encoder.proto``
-and the reading code of the real servicer (smg-grpc-servicer 0.14.1, unpacked at
-``/tmp/smgs/x/smg_grpc_servicer``), ported to numpy so a test sees what the engine would be
-handed:
+and the reading code of the real servicer (smg-grpc-servicer 0.14.1, the ``test`` extra's pin),
+so a test sees what the engine would be handed.  Tensors are decoded by the installed
+servicer's own ``_tensor_from_proto`` / ``_torch_dtype_from_proto`` and ``mm_shm``
+(:mod:`tests.support.servicer_code`); the rest is ported:
 
 * ``tokenspeed/servicer.py`` ``_build_generate_req`` (tokenized ids, ``mm_inputs`` also without
   encoder inputs, ``encode_bootstrap_info`` item-index check and ``encode_handshake``,
   ``kv_bootstrap_info``, logprob fields), ``_sampling_params_from_proto`` (without the
   reasoning-parser wrapping), ``_mm_inputs_from_itemized_proto`` (placeholders -> offsets,
   content hash -> ``int.from_bytes(hash[:8], "little")``, ``placeholder_token_id`` merge),
-  ``_validate_item_tensor_consistency``, ``_tensor_from_proto`` / ``_feature_from_proto``;
-* ``mm_shm.py`` ``tensor_payload_bytes`` (inline, or ``/dev/shm/<name>`` read with
-  ``O_NOFOLLOW`` and unlinked after the read, the default);
+  ``_validate_item_tensor_consistency``, ``_feature_from_proto``'s dtype check;
 * ``tokenspeed/encoder_servicer.py`` ``Encode`` (exactly one item and one room) and
   ``_items_from_proto`` (the encoder input is required there).
 
@@ -22,9 +21,6 @@ the servicer does.  Tensors are recorded as they arrive on the wire: bfloat16 as
 
 from __future__ import annotations
 
-import errno
-import os
-import stat
 import threading
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -42,59 +38,30 @@ from smg_grpc_proto.generated import (
 )
 
 from mmgate.transport.shm import shm_namespace_id
+from tests.support.servicer_code import to_numpy, tokenspeed_dtype_from_proto, tokenspeed_tensor_from_proto
 
 pb = tokenspeed_scheduler_pb2
 _MODALITIES = {common_pb2.IMAGE: "IMAGE", common_pb2.VIDEO: "VIDEO", common_pb2.AUDIO: "AUDIO"}
 
 
-def _payload_bytes(td: pb.TensorData) -> tuple[bytes, str]:
-    """``mm_shm.tensor_payload_bytes``: the raw bytes and which payload carried them."""
-    payload = td.WhichOneof("payload")
-    if payload == "inline":
-        return bytes(td.inline), payload
-    if payload == "shm":
-        handle = td.shm
-        name = handle.name.lstrip("/")
-        if not name or "/" in name or name in (".", "..") or "\x00" in name:
-            raise ValueError(f"Invalid TensorData.shm name: {name!r}")
-        path = os.path.join("/dev/shm", name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as error:
-            if error.errno == errno.ELOOP:
-                raise ValueError(f"TensorData.shm is a symlink: {handle.name!r}") from None
-            raise ValueError(f"TensorData.shm unreadable: {handle.name!r}") from None
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise ValueError(f"TensorData.shm is not a regular file: {handle.name!r}")
-            raw = os.pread(fd, int(handle.nbytes), int(handle.offset))
-        finally:
-            os.close(fd)
-            os.unlink(path)
-        if len(raw) != int(handle.nbytes):
-            raise ValueError("TensorData.shm byte length mismatch")
-        return raw, payload
-    if payload == "remote":
-        raise ValueError("TensorData.remote payload is not implemented yet")
-    raise ValueError("TensorData payload is required")
-
-
 def tensor_from_proto(td: pb.TensorData) -> tuple[np.ndarray, str]:
-    """``_tensor_from_proto`` without the cast: (array, payload kind); bfloat16 as uint16 bits."""
-    shape = list(td.shape)
-    raw, payload = _payload_bytes(td)
-    dtype = np.dtype(np.uint16) if td.dtype == "bfloat16" else np.dtype(td.dtype)
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if len(raw) != expected:
-        raise ValueError(f"TensorData byte length mismatch for dtype={td.dtype}, shape={shape}: "
-                         f"expected {expected}, got {len(raw)}")
-    return np.frombuffer(raw, dtype=dtype).copy().reshape(shape), payload
+    """The installed servicer's ``_tensor_from_proto`` without the cast (payload bytes through its
+    ``mm_shm.tensor_payload_bytes``: inline, or ``/dev/shm`` read with ``O_NOFOLLOW`` and unlinked):
+    (array, payload kind); bfloat16 as uint16 bits.  A segment that cannot be opened is refused
+    as a ``ValueError`` here (the servicer answers INTERNAL for it)."""
+    payload = td.WhichOneof("payload")
+    try:
+        tensor = tokenspeed_tensor_from_proto(td)
+    except OSError as error:
+        raise ValueError(f"TensorData.shm unreadable: {td.shm.name!r} ({error.strerror})") from None
+    return to_numpy(tensor), payload
 
 
 def feature_from_proto(td: pb.TensorData) -> tuple[np.ndarray, str]:
-    """``_feature_from_proto``: a shm feature must be a float dtype and match its byte count."""
-    if td.WhichOneof("payload") == "shm" and td.dtype not in ("bfloat16", "float16", "float32"):
-        raise ValueError(f"Unsupported TensorData dtype for SHM feature: {td.dtype!r}")
+    """``_feature_from_proto``: a shm feature's dtype must be one ``_torch_dtype_from_proto`` names
+    (the installed one); then it is read as every tensor is."""
+    if td.WhichOneof("payload") == "shm":
+        tokenspeed_dtype_from_proto(td.dtype)
     return tensor_from_proto(td)
 
 

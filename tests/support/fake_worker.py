@@ -3,9 +3,11 @@
 It answers HealthCheck / GetModelInfo / GetServerInfo with the labels a test
 asks for, and Generate with one token after ``delay_s`` (streamed: the chunk, then
 the completion ``stream_pause_s`` later).  Every request's
-tensors are decoded the way the reference engine decodes them (shared memory
-read, then unlinked) and kept in ``received``, with its sampling parameters, for the
-test to compare.
+tensors are decoded by the real servicer's code (smg-grpc-servicer 0.14.1
+``vllm/mm_tensors.py`` ``tensor_from_proto``: shared memory read, then unlinked; a
+dtype outside ``tensor_wire.PROTO_DTYPE_MAP`` or a wrong byte count refused with
+INVALID_ARGUMENT, as the servicer refuses its ``ValueError``) and kept in
+``received``, with its sampling parameters, for the test to compare.
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ import grpc
 import numpy as np
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from mmgate.refengine.tensors import decode_tensor
+from tests.support.servicer_code import tensor_from_proto, to_numpy
 
 
 @dataclass
 class Received:
     input_ids: list[int]
-    tensors: dict[str, np.ndarray]  # name -> array as decoded (bf16 as uint16 bits)
+    tensors: dict[str, np.ndarray]  # name -> array as the servicer decodes it (bf16 as uint16 bits)
     dtypes: dict[str, str]
     payloads: dict[str, str]  # name -> "inline" | "shm"
     sampling: vllm_engine_pb2.SamplingParams | None = None  # the request's sampling_params as received
@@ -44,10 +46,7 @@ class FakeWorkerState:
 
 
 def _decode(td: vllm_engine_pb2.TensorData) -> np.ndarray:
-    tensor = decode_tensor(td)
-    if str(tensor.dtype) == "torch.bfloat16":
-        return tensor.view(dtype=__import__("torch").int16).numpy().view(np.uint16)
-    return tensor.numpy()
+    return to_numpy(tensor_from_proto(td))
 
 
 class _Servicer(vllm_engine_pb2_grpc.VllmEngineServicer):
@@ -75,7 +74,10 @@ class _Servicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             named = [("pixel_values", mm.pixel_values)] if mm.HasField("pixel_values") else []
             named += list(mm.model_specific_tensors.items())
             for name, td in named:
-                tensors[name] = _decode(td)
+                try:
+                    tensors[name] = _decode(td)
+                except ValueError as exc:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 dtypes[name] = td.dtype
                 payloads[name] = td.WhichOneof("payload")
         with self.state.lock:

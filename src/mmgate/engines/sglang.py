@@ -62,7 +62,15 @@ from mmgate.engines.codec import SGLANG_PIXEL_TAGS, Tail, join_tail
 from mmgate.engines.responses import response_events
 from mmgate.engines.rpc_errors import map_rpc_error as common_map_rpc_error
 from mmgate.engines.rpc_errors import parse_carried_error
-from mmgate.engines.wire_values import check_range, choice_grammar, embedding_runs, wire_form
+from mmgate.engines.wire_values import SERVICER_DTYPES as WIRE_SERVICER_DTYPES
+from mmgate.engines.wire_values import (
+    check_range,
+    choice_grammar,
+    embedding_runs,
+    servicer_array,
+    servicer_dtype_name,
+    wire_form,
+)
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.transport.dtypes import EncoderDtype, convert_encoder_input
 from mmgate.types import (
@@ -78,7 +86,8 @@ from mmgate.types import (
 
 ENGINE = "sglang"
 #: ``smg_grpc_servicer/tensor_wire.py`` ``PROTO_DTYPE_MAP``: the dtype names the servicer decodes
-SERVICER_DTYPES = frozenset({"float32", "bfloat16", "float16", "uint8", "int64", "uint32"})
+#: (:data:`mmgate.engines.wire_values.SERVICER_DTYPES`, shared by the wires)
+SERVICER_DTYPES = WIRE_SERVICER_DTYPES
 #: the modalities this wire carries (``_parse_mm_inputs`` makes every item ``Modality.IMAGE``)
 MODALITIES = frozenset({Modality.IMAGE})
 #: SGLang's own text for ``response_format: json_object`` (``entrypoints/openai/serving_chat.py``)
@@ -206,10 +215,10 @@ def _media_batch(req: PreparedRequest, role: Role) -> EncoderBatch | None:
 
 
 def _tensor(array: np.ndarray, name: str, dtype_name: str = "") -> pb.TensorData:
-    wire = dtype_name or str(array.dtype)
-    if wire not in SERVICER_DTYPES:
-        raise _internal(f"tensor {name} of dtype {array.dtype} has no SGLang wire dtype")
-    array = np.ascontiguousarray(array)
+    """Inline ``TensorData`` (``data``); int32 widened to int64, other dtypes outside
+    :data:`SERVICER_DTYPES` refused (INTERNAL_ERROR)."""
+    array = np.ascontiguousarray(servicer_array(array))
+    wire = servicer_dtype_name(array, name, dtype_name)
     return pb.TensorData(data=array.tobytes(), shape=list(array.shape), dtype=wire)
 
 

@@ -57,13 +57,15 @@ from mmgate.engines.wire_values import (
     UINT32,
     check_range,
     count_sent,
+    servicer_array,
+    servicer_dtype_name,
     shm_handle,
     tensor_data,
     wire_form,
 )
 from mmgate.transport import shm
 from mmgate.transport.dtypes import convert_encoder_input
-from mmgate.transport.inline import to_tensor_data, wire_dtype_name
+from mmgate.transport.inline import to_tensor_data
 from mmgate.transport.placement import ShmTarget
 from mmgate.transport.policy import INLINE_FLOAT32, WirePlan
 from mmgate.transport.shm import ShmLease
@@ -273,7 +275,7 @@ def _build(req: PreparedRequest, wire: WirePlan, lease: ShmLease | None, defer_p
                 else:
                     # Sent inline: serialize everything else now, append these bytes once at the end.
                     mm.pixel_values.CopyFrom(vllm_engine_pb2.TensorData(
-                        shape=list(array.shape), dtype=dtype_name or wire_dtype_name(array)))
+                        shape=list(array.shape), dtype=servicer_dtype_name(array, key, dtype_name)))
                     tail = Tail(nbytes=array.nbytes, array=np.ascontiguousarray(array))
                     _sent(key, "inline", array.nbytes)
         else:
@@ -315,8 +317,9 @@ def identity_mm_inputs(batch: EncoderBatch, grids: bool = True) -> vllm_engine_p
     mm.keep_on_cpu_keys.extend(k for k in batch.keep_on_cpu_keys if k in kept)
     for name, array in kept.items():
         assert isinstance(array, np.ndarray), "only the encoder input is ever pending"
+        array = servicer_array(array)
         _sent(name, "inline", array.nbytes)
-        mm.model_specific_tensors[name].CopyFrom(to_tensor_data(array))
+        mm.model_specific_tensors[name].CopyFrom(to_tensor_data(array, servicer_dtype_name(array, name)))
     return mm
 
 

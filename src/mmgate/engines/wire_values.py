@@ -16,7 +16,9 @@ the servicer line it follows (smg-grpc-servicer 0.14.1 unless said otherwise):
 * :func:`embedding_runs` ``whole_span_when_empty``: a range without any placeholder token is a
   bug on SGLang, and is sent whole on TokenSpeed.
 
-Invariants: a failed shared-memory write falls back to inline (counted in
+Invariants: every tensor's wire dtype is one of :data:`SERVICER_DTYPES`, the table the vLLM and
+SGLang servicers decode with (an int32 array is widened to int64 by :func:`servicer_array`, any
+other dtype refused as INTERNAL_ERROR); a failed shared-memory write falls back to inline (counted in
 ``smg_mm_shm_write_failures_total``); every tensor placed is counted once in
 ``smg_mm_tensors_total{runtime,path}`` and reported to the ``--log-mm-timing`` record.
 """
@@ -49,7 +51,35 @@ UINT32, INT32 = (0, 2**32 - 1), (-(2**31), 2**31 - 1)
 UINT64, INT63 = (0, 2**64 - 1), (0, 2**63 - 1)
 
 
+#: ``smg_grpc_servicer/tensor_wire.py`` ``PROTO_DTYPE_MAP`` (0.14.1): the only dtype names the vLLM
+#: (``vllm/mm_tensors.py`` ``tensor_from_proto``) and SGLang (``_decode_tensor_data``) servicers decode;
+#: a name not listed (int32 among them) fails the whole request there.  TokenSpeed's
+#: ``_tensor_from_proto`` reads any numpy name, so this table is the one all three wires accept.
+#: Diffed against the installed package by tests/engines/test_servicer_decoding.py.
+SERVICER_DTYPES = frozenset({"float32", "bfloat16", "float16", "uint8", "int64", "uint32"})
+
+
 # --- tensors ----------------------------------------------------------------------------------------
+
+def servicer_array(array: np.ndarray) -> np.ndarray:
+    """``array`` in a dtype the servicers decode: int32 (a count or grid computed in int32) widened
+    to int64 (lossless; what transformers indexes grids with), anything else as it is."""
+    return array.astype(np.int64) if array.dtype == np.int32 else array
+
+
+def servicer_dtype_name(array: np.ndarray, name: str, dtype_name: str = "") -> str:
+    """The wire dtype name of ``array`` (``dtype_name`` when given: ``bfloat16`` for the uint16 bits
+    of one), checked against :data:`SERVICER_DTYPES`.
+
+    Raises:
+        GatewayError(INTERNAL_ERROR): a dtype no servicer decodes (a bug: families emit float32,
+            uint8 or int64).
+    """
+    wire = dtype_name or wire_dtype_name(array)
+    if wire not in SERVICER_DTYPES:
+        raise GatewayError(ErrorCode.INTERNAL_ERROR, f"tensor {name} of dtype {wire} has no servicer dtype")
+    return wire
+
 
 def count_sent(engine: str, name: str, path: str, nbytes: int) -> None:
     """Count one tensor placed for ``engine`` (``smg_mm_tensors_total{runtime,path}`` and bytes) and report
@@ -69,8 +99,8 @@ def tensor_data(array: np.ndarray, dtype_name: str, plan: WirePlan, lease: ShmLe
     ``lease`` is given and ``plan.use_shm`` says so, else inline bytes (a failed segment falls back
     to inline, counted).  ``dtype_name``: the wire dtype ('' = the array's own, ``bfloat16`` for the
     uint16 bits of one); ``shape`` is the array's."""
-    array = np.ascontiguousarray(array)
-    dtype_name = dtype_name or wire_dtype_name(array)
+    array = np.ascontiguousarray(servicer_array(array))
+    dtype_name = servicer_dtype_name(array, name, dtype_name)
     if lease is not None and plan.use_shm(array.nbytes):
         try:
             segment = shm.write_segment(array)
@@ -97,7 +127,7 @@ def wire_form(dtype: np.dtype, encoder_dtype: EncoderDtype, *, raw_pixels: bool)
         if not raw_pixels:
             raise GatewayError(ErrorCode.INTERNAL_ERROR,
                                f"this wire takes normalized float encoder input, not {dtype} (no device normalize)")
-        return wire_dtype_name(np.empty(0, dtype=dtype)), dtype.itemsize, identity
+        return servicer_dtype_name(np.empty(0, dtype=dtype), "encoder input"), dtype.itemsize, identity
     if encoder_dtype is EncoderDtype.BFLOAT16:
         return "bfloat16", 2, to_bfloat16_bits
     if encoder_dtype is EncoderDtype.FLOAT16:

@@ -10,7 +10,9 @@ vLLM and TokenSpeed ``TensorData`` (the same ``payload`` oneof in both protos, a
 through :func:`tensor_from_bytes`.
 
 Mirrors ``smg_grpc_servicer/tensor_wire.py`` ``tensor_from_parts``
-(smg-grpc-servicer 0.14.1): ``bfloat16`` travels as raw 16-bit patterns and
+(smg-grpc-servicer 0.14.1): a dtype name outside its ``PROTO_DTYPE_MAP``
+(:data:`mmgate.engines.wire_values.SERVICER_DTYPES`; int32 among them) is refused,
+as the servicer refuses it; ``bfloat16`` travels as raw 16-bit patterns and
 becomes ``torch.bfloat16``; ``uint32`` (grids) widens to ``int64``, the dtype
 transformers indexes with.
 """
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 from smg_grpc_proto.generated import tokenspeed_scheduler_pb2, vllm_engine_pb2
 
+from mmgate.engines.wire_values import SERVICER_DTYPES
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.transport.inline import from_parts, from_tensor_data
 from mmgate.transport.shm import ShmError, read_segment
@@ -38,12 +41,13 @@ def decode_tensor(td: vllm_engine_pb2.TensorData | tokenspeed_scheduler_pb2.Tens
 
     Returns:
         ``torch.Tensor`` of ``tuple(td.shape)``: float32 / float16 / bfloat16 /
-        int64 / int32 / uint8 as sent; ``uint32`` widened to int64.
+        int64 / uint8 as sent; ``uint32`` widened to int64.
 
     Raises:
         GatewayError(INVALID_REQUEST): unknown dtype, byte count that does not
             match the shape, or a payload kind this engine does not read.
     """
+    _check_dtype(td.dtype)
     if td.WhichOneof("payload") == "shm":
         try:
             raw = read_segment(td.shm.name, int(td.shm.offset), int(td.shm.nbytes))
@@ -63,7 +67,13 @@ def tensor_from_bytes(data: bytes, shape: Sequence[int], dtype_name: str) -> tor
     Raises:
         GatewayError(INVALID_REQUEST): unknown dtype, or a byte count that does not match the shape.
     """
+    _check_dtype(dtype_name)
     return _to_torch(from_parts(data, tuple(shape), dtype_name), dtype_name)
+
+
+def _check_dtype(dtype_name: str) -> None:
+    if dtype_name not in SERVICER_DTYPES:
+        raise GatewayError(ErrorCode.INVALID_REQUEST, f"Unsupported proto tensor dtype: {dtype_name!r}")
 
 
 def _to_torch(array: np.ndarray, dtype_name: str) -> torch.Tensor:
