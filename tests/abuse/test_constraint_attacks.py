@@ -6,6 +6,9 @@ Each attack the issue measured is sent through ``mmgate serve`` to a running ``m
 is alive, ``/health`` answered within 1 s throughout and a light request completes within 2 s
 (:func:`~tests.abuse.support.after_attack`), and no 500 was seen.
 
+The smaller findings go through the default stack too: Responses ``metadata`` past OpenAI's bounds,
+``instructions`` echoed once in a stream, and the framework's 404 / 405 in the one error shape.
+
 Two stacks: the default gateway, whose ``--constraint-*`` bounds refuse every attack before it is
 sent; and a gateway with those bounds opened wide in front of an engine with a 3 s compile
 deadline, so the same crash and freeze attacks reach the engine and are stopped there
@@ -126,3 +129,48 @@ def open_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 def test_past_open_gateway_bounds_the_engine_stops_the_crash_and_the_freeze(open_stack: Stack, name: str) -> None:
     r = _survives(open_stack, ATTACKS[name](), code="constraint_too_complex")
     assert r.status_code == 400
+
+
+# ---- the issue's smaller findings, through the same stack ------------------------------------------
+
+
+def _framework_attack(stack: Stack, method: str, path: str, body: bytes | None) -> httpx.Response:
+    shm_before = shm_segments()
+    with HealthWatch(stack.base) as watch:
+        r = httpx.request(method, stack.base + path, content=body, timeout=ATTACK_BOUND_S + 30,
+                          headers={"content-type": "application/json"})
+    assert stack.engine.proc.poll() is None
+    after_attack(stack, watch, [r.status_code], shm_before)
+    return r
+
+
+def test_responses_metadata_past_openais_bounds_is_a_400_and_nothing_is_streamed(stack: Stack) -> None:
+    # 8 MB of metadata: before the bound it was streamed back three times (24 MB)
+    metadata = {f"k{i}": "v" * (8 << 20 >> 4) for i in range(16)}
+    body = json.dumps({"model": stack.model, "input": "Hi", "metadata": metadata, "max_output_tokens": 4,
+                       "stream": True}).encode()
+    r = _framework_attack(stack, "POST", "/v1/responses", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "metadata"
+    assert len(r.content) < 1024
+
+
+def test_streamed_instructions_are_echoed_once(stack: Stack) -> None:
+    instructions = "word " * 4000  # 20 KB: the stream carried it three times before
+    body = json.dumps({"model": stack.model, "input": "Hi", "instructions": instructions, "max_output_tokens": 4,
+                       "stream": True}).encode()
+    r = _framework_attack(stack, "POST", "/v1/responses", body)
+    assert r.status_code == 200
+    assert r.content.count(instructions.encode()) == 1
+    assert len(r.content) < len(body) + 8192
+
+
+@pytest.mark.parametrize(("method", "path", "status", "code"), [
+    ("GET", "/v1/no-such-route", 404, "not_found"),
+    ("GET", "/v1/chat/completions", 405, "method_not_allowed"),
+    ("DELETE", "/v1/responses", 405, "method_not_allowed"),
+])
+def test_framework_refusals_are_in_the_one_error_shape(stack: Stack, method: str, path: str, status: int,
+                                                       code: str) -> None:
+    r = _framework_attack(stack, method, path, None)
+    assert r.status_code == status
+    assert r.headers["X-SMG-Error-Code"] == code == r.json()["error"]["code"]
