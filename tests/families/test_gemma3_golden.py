@@ -1,6 +1,6 @@
 """Tier (a): the Gemma 3 family against golden fingerprints of the transformers reference.
 
-``golden/gemma3.json`` was written by ``scripts/gen_golden_gemma3.py`` (versions recorded in the
+``golden/gemma3.json`` was written by ``scripts/gen_golden.py --family gemma3`` (versions recorded in the
 file).  No transformers here, and no torch for the ``pil`` rows: the same image bytes are
 regenerated (``parity_support.ImageSpec.encode``) and run through the family directly
 (``decode_image`` -> ``plan`` -> ``preprocess`` -> ``mmgate.models.family.assemble``), with the
@@ -33,16 +33,12 @@ import pytest
 from gemma3_support import (
     GEMMA3_BUNDLE,
     GEMMA3_GOLDEN,
-    collapse_runs,
     options_tuple,
     replacement_ranges,
-    sha256_f32le,
-    sha256_ids,
     substitute_anchors,
-    template_messages,
     vllm_placeholders,
 )
-from parity_support import ImageSpec, find_bundle_dir
+from parity_support import ImageSpec, collapse_runs, find_bundle_dir, sha256_f32le, sha256_ids, template_messages
 
 from mmgate.chat.template import render_chat
 from mmgate.chat.tokenizer import load_tokenizer
@@ -74,7 +70,7 @@ def versions_note() -> str:
         local |= {"torch": "missing", "torchvision": "missing"}
     parts = [f"{k} golden={VERSIONS.get(k)} here={v}" for k, v in local.items()]
     return ("(" + ", ".join(parts) + f"; golden from transformers {VERSIONS.get('transformers')}: if a version "
-            "differs, regenerate with scripts/gen_golden_gemma3.py and run test_gemma3_live_parity.py first)")
+            "differs, regenerate with scripts/gen_golden.py --family gemma3 and run test_gemma3_live_parity.py first)")
 
 
 def spec_of(name: str) -> ImageSpec:
@@ -371,8 +367,8 @@ def test_pil_backend_runs_without_transformers_or_torch() -> None:
         sys.meta_path.insert(0, Block())
         sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
         from pathlib import Path
-        from gemma3_support import GEMMA3_BUNDLE, options_tuple, sha256_f32le
-        from parity_support import ImageSpec, find_bundle_dir
+        from gemma3_support import GEMMA3_BUNDLE, options_tuple
+        from parity_support import ImageSpec, find_bundle_dir, sha256_f32le
         from mmgate.chat.tokenizer import load_tokenizer
         from mmgate.media.image import decode_image
         from mmgate.models.bundle import load_bundle

@@ -38,13 +38,11 @@ from gemma3_support import (
     GEMMA3_BUNDLE,
     PAS_ON,
     options_tuple,
-    reference_messages,
     replacement_ranges,
     substitute_anchors,
-    template_messages,
     vllm_placeholders,
 )
-from parity_support import MODES, ImageSpec, find_bundle_dir
+from parity_support import MODES, ImageSpec, find_bundle_dir, reference_messages, template_messages
 from PIL import Image
 
 transformers = pytest.importorskip("transformers")

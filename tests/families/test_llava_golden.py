@@ -1,7 +1,7 @@
 """Tier (a): the LLaVA-1.5 and LLaVA-NeXT families against golden fingerprints of transformers.
 
 ``golden/llava.json`` and ``golden/llava_next.json`` were written by
-``scripts/gen_golden_llava.py`` (versions recorded in the files).  No transformers here, and no
+``scripts/gen_golden.py --family llava / llava_next`` (versions recorded in the files).  No transformers here, and no
 torch for the ``pil`` rows: the same image bytes are regenerated (``parity_support.ImageSpec``)
 and run through the family's image processor directly (``decode_image`` -> ``plan`` ->
 ``preprocess`` -> ``mmgate.models.family.assemble``); the ``pixel_values`` shape, sha256 and
@@ -75,7 +75,7 @@ def versions_note(golden: dict) -> str:
     versions = golden["versions"]
     parts = [f"{k} golden={versions.get(k)} here={v}" for k, v in local.items()]
     return ("(" + ", ".join(parts) + f"; golden from transformers {versions.get('transformers')}: if a version "
-            "differs, regenerate with scripts/gen_golden_llava.py and run test_llava_live_parity.py first)")
+            "differs, regenerate with scripts/gen_golden.py --family llava / llava_next and run test_llava_live_parity.py first)")
 
 
 def spec_of(golden: dict, name: str) -> ImageSpec:
