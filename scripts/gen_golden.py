@@ -4,7 +4,7 @@
 Tier (a) of docs/parity.md: small fingerprints of what the transformers 5.24 processors produce,
 so that ``tests/families/test_golden_replay.py`` checks every family without importing
 transformers.  One fixture per entry of :data:`FIXTURES` (the reference side of each is in
-``scripts/golden_reference.py``):
+``scripts/golden_reference.py``, the images and conversations in ``scripts/golden_corpora.py``):
 
 * ``qwen_vl.json`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): per bundle, backend and image, the resized
   size (reference ``smart_resize``), ``image_grid_thw``, the ``pixel_values`` shape and sha256 and

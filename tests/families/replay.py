@@ -275,14 +275,29 @@ def _options_id(row: dict) -> str:
     return f"{row['backend']}-{row['image']}-pas_{opts}"
 
 
+def _bundle_backend_image(row: dict) -> str:
+    return f"{row['bundle'].split('--')[1]}-{row['backend']}-{row['image']}"
+
+
+def _backend_image(row: dict) -> str:
+    return f"{row['backend']}-{row['image']}"
+
+
 FAMILIES: tuple[GoldenFamily, ...] = (
-    GoldenFamily("qwen_vl", 200_000, frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}), ({},),
-                 qwen_vl_row, qwen_vl_conversation, BACKENDS, lambda r: "refused" not in r,
-                 lambda r: f"{r['bundle'].split('--')[1]}-{r['backend']}-{r['image']}"),
-    GoldenFamily("llava", 100_000, frozenset({"llava"}), ({},), llava_row, llava_conversation, BACKENDS,
-                 lambda r: r["image"] == "rgb_640x480", lambda r: f"{r['backend']}-{r['image']}"),
-    GoldenFamily("llava_next", 100_000, frozenset({"llava_next"}), ({},), llava_row, llava_conversation, BACKENDS,
-                 lambda r: r["image"] == "rgb_640x480", lambda r: f"{r['backend']}-{r['image']}"),
-    GoldenFamily("gemma3", 200_000, frozenset({"gemma3"}), ({}, PAS_ON), gemma3_row, gemma3_conversation, ("pil",),
-                 lambda r: r["num_crops"] > 0, _options_id),
+    GoldenFamily(name="qwen_vl", max_bytes=200_000, model_types=frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}),
+                 option_sets=({},), replay_row=qwen_vl_row, replay_conversation=qwen_vl_conversation,
+                 conversation_backends=BACKENDS, torch_free_row=lambda r: "refused" not in r,
+                 row_id=_bundle_backend_image),
+    GoldenFamily(name="llava", max_bytes=100_000, model_types=frozenset({"llava"}),
+                 option_sets=({},), replay_row=llava_row, replay_conversation=llava_conversation,
+                 conversation_backends=BACKENDS, torch_free_row=lambda r: r["image"] == "rgb_640x480",
+                 row_id=_backend_image),
+    GoldenFamily(name="llava_next", max_bytes=100_000, model_types=frozenset({"llava_next"}),
+                 option_sets=({},), replay_row=llava_row, replay_conversation=llava_conversation,
+                 conversation_backends=BACKENDS, torch_free_row=lambda r: r["image"] == "rgb_640x480",
+                 row_id=_backend_image),
+    GoldenFamily(name="gemma3", max_bytes=200_000, model_types=frozenset({"gemma3"}),
+                 option_sets=({}, PAS_ON), replay_row=gemma3_row, replay_conversation=gemma3_conversation,
+                 conversation_backends=("pil",), torch_free_row=lambda r: r["num_crops"] > 0,
+                 row_id=_options_id),
 )
