@@ -1,8 +1,8 @@
-"""Helpers of the Gemma 3 parity tests and ``scripts/gen_golden_gemma3.py`` (no transformers, no torch).
+"""Helpers of the Gemma 3 parity tests and ``scripts/gen_golden.py`` (no transformers, no torch).
 
-* :func:`template_messages` / :func:`reference_messages`: one conversation as mmgate's planner
-  hands it to the template (``{"type": "image"}`` parts) and as ``processor.apply_chat_template``
-  takes it (``{"type": "image", "image": PIL}``);
+The conversation builders and the fingerprint hashes are ``parity_support``'s; here only what is
+Gemma 3's own:
+
 * :func:`substitute_anchors`: the text-level prompt update, done the way
   ``Gemma3Processor`` (``ProcessorMixin.get_text_with_replacements``) does it: the k-th
   ``<start_of_image>`` of the rendered prompt becomes the k-th replacement text;
@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -36,26 +35,6 @@ PAS_CUSTOM = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 128, "pan_a
 def options_tuple(options: dict) -> tuple[tuple[str, object], ...]:
     """``mm_processor_kwargs`` as :class:`~mmgate.types.ItemHints` ``options`` (sorted pairs)."""
     return tuple(sorted(options.items()))
-
-
-def template_messages(turns: Sequence[tuple[str, Sequence[str | int]]]) -> list[dict]:
-    """Messages as mmgate's planner renders them: media parts are ``{"type": "image"}``; a non-user
-    turn with one text part is a plain string."""
-    return [
-        {"role": role, "content": parts[0] if role != "user" and len(parts) == 1 and isinstance(parts[0], str) else [
-            {"type": "image"} if isinstance(p, int) else {"type": "text", "text": p} for p in parts]}
-        for role, parts in turns
-    ]
-
-
-def reference_messages(turns: Sequence[tuple[str, Sequence[str | int]]], images: Sequence[object]) -> list[dict]:
-    """The same conversation for ``processor.apply_chat_template`` (an int part = ``images[i]``)."""
-    return [
-        {"role": role, "content": parts[0] if role != "user" and len(parts) == 1 and isinstance(parts[0], str) else [
-            {"type": "image", "image": images[p]} if isinstance(p, int) else {"type": "text", "text": p}
-            for p in parts]}
-        for role, parts in turns
-    ]
 
 
 def substitute_anchors(prompt: str, texts: Sequence[str], anchor: str = ANCHOR) -> str:
@@ -104,35 +83,6 @@ def vllm_placeholders(ids: Sequence[int], replacements: Sequence[Sequence[int]],
         out.append((origin[found], len(rep)))
         start = found + len(rep)
     return out
-
-
-def collapse_runs(ids: Sequence[int], tok: int) -> tuple[list[int], list[int]]:
-    """(ids with each run of ``tok`` collapsed to one, the run lengths).
-
-    Example: ``collapse_runs([1, 9, 9, 9, 2, 9], 9) == ([1, 9, 2, 9], [3, 1])``.
-    """
-    collapsed: list[int] = []
-    runs: list[int] = []
-    in_run = False
-    for t in ids:
-        if t == tok and in_run:
-            runs[-1] += 1
-            continue
-        in_run = t == tok
-        if in_run:
-            runs.append(1)
-        collapsed.append(t)
-    return collapsed, runs
-
-
-def sha256_f32le(array: np.ndarray) -> str:
-    """sha256 of the float32 little-endian C-order bytes of ``array``."""
-    return hashlib.sha256(np.ascontiguousarray(array, dtype="<f4").tobytes()).hexdigest()
-
-
-def sha256_ids(ids: Sequence[int]) -> str:
-    """sha256 of token ids as int64 little-endian."""
-    return hashlib.sha256(np.asarray(list(ids), dtype="<i8").tobytes()).hexdigest()
 
 
 def probe(pixel_values: np.ndarray) -> list[float]:

@@ -10,13 +10,21 @@ that writes it) regenerate the same image bytes from these functions.
   (no libm), so the same (size, mode, seed) gives the same pixels everywhere.
 * ``splice_anchors`` expands a tokenized prompt the way the reference
   processor does: each anchor id becomes the ids of its ``Replacement``.
+* ``chat_messages`` builds one conversation (``(role, parts)`` turns, an int part
+  is an image index) in the three shapes the tiers need: OpenAI ``image_url``
+  parts (``openai_messages``), ``{"type": "image", "image": PIL}`` parts for
+  ``processor.apply_chat_template`` (``reference_messages``) and ``{"type": "image"}``
+  parts as mmgate's planner renders them (``template_messages``).
+* ``sha256_f32le`` / ``sha256_ids`` / ``collapse_runs`` / ``probe8``: the golden
+  fingerprints, shared by the generator and the replay.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,23 +192,92 @@ def splice_anchors(prompt_ids: Sequence[int], anchor_id: int, replacements: Sequ
     return out
 
 
-def openai_messages(turns: Sequence[tuple[str, Sequence[str | int]]], urls: Sequence[str]) -> list[dict]:
+Turns = Sequence[tuple[str, Sequence[str | int]]]
+
+
+def chat_messages(turns: Turns, image_part: Callable[[int], dict], flatten_text_turns: bool = True) -> list[dict]:
+    """Chat messages with ``image_part(i)`` for an int part and ``{"type": "text"}`` parts otherwise.
+
+    ``flatten_text_turns``: a non-user turn with one text part is a plain string (the Qwen-VL and
+    Gemma 3 conversations); off, every turn is a part list (the LLaVA-NeXT template reads
+    ``message['content'][0]['text']`` for system and assistant turns).
+    """
+    return [
+        {"role": role, "content": parts[0] if flatten_text_turns and role != "user" and len(parts) == 1
+            and isinstance(parts[0], str) else [
+                image_part(p) if isinstance(p, int) else {"type": "text", "text": p} for p in parts]}
+        for role, parts in turns
+    ]
+
+
+def openai_messages(turns: Turns, urls: Sequence[str]) -> list[dict]:
     """Chat messages with OpenAI ``image_url`` parts; an int in a turn is an image index."""
-    return [
-        {"role": role, "content": parts[0] if role != "user" and len(parts) == 1 and isinstance(parts[0], str) else [
-            {"type": "image_url", "image_url": {"url": urls[p]}} if isinstance(p, int) else {"type": "text", "text": p}
-            for p in parts
-        ]}
-        for role, parts in turns
-    ]
+    return chat_messages(turns, lambda p: {"type": "image_url", "image_url": {"url": urls[p]}})
 
 
-def reference_messages(turns: Sequence[tuple[str, Sequence[str | int]]], images: Sequence[object]) -> list[dict]:
+def reference_messages(turns: Turns, images: Sequence[object], flatten_text_turns: bool = True) -> list[dict]:
     """The same chat for ``processor.apply_chat_template``: ``{"type": "image", "image": PIL}`` parts."""
-    return [
-        {"role": role, "content": parts[0] if role != "user" and len(parts) == 1 and isinstance(parts[0], str) else [
-            {"type": "image", "image": images[p]} if isinstance(p, int) else {"type": "text", "text": p}
-            for p in parts
-        ]}
-        for role, parts in turns
-    ]
+    return chat_messages(turns, lambda p: {"type": "image", "image": images[p]}, flatten_text_turns)
+
+
+def template_messages(turns: Turns, flatten_text_turns: bool = True) -> list[dict]:
+    """The chat as mmgate's planner hands it to the template: ``{"type": "image"}`` parts."""
+    return chat_messages(turns, lambda p: {"type": "image"}, flatten_text_turns)
+
+
+# ---------------------------------------------------------------- fingerprints
+
+
+def sha256_f32le(array: np.ndarray) -> str:
+    """sha256 of the float32 little-endian C-order bytes of ``array``."""
+    return hashlib.sha256(np.ascontiguousarray(array, dtype="<f4").tobytes()).hexdigest()
+
+
+def sha256_ids(ids: Sequence[int]) -> str:
+    """sha256 of token ids as int64 little-endian."""
+    return hashlib.sha256(np.asarray(list(ids), dtype="<i8").tobytes()).hexdigest()
+
+
+def sha256_rgb(pixels: np.ndarray) -> str:
+    """sha256 of decoded uint8 RGB pixels (C order): the ``rgb_sha256`` of a golden image entry."""
+    return hashlib.sha256(np.ascontiguousarray(pixels, dtype=np.uint8).tobytes()).hexdigest()
+
+
+def collapse_runs(ids: Sequence[int], tok: int) -> tuple[list[int], list[int]]:
+    """(ids with each run of ``tok`` collapsed to one, the run lengths).
+
+    Example: ``collapse_runs([1, 9, 9, 9, 2, 9], 9) == ([1, 9, 2, 9], [3, 1])``.
+    """
+    collapsed: list[int] = []
+    runs: list[int] = []
+    in_run = False
+    for t in ids:
+        if t == tok and in_run:
+            runs[-1] += 1
+            continue
+        in_run = t == tok
+        if in_run:
+            runs.append(1)
+        collapsed.append(t)
+    return collapsed, runs
+
+
+def whole_runs(ids: Sequence[int], tok: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` of each run of ``tok``.
+
+    Example: ``whole_runs([1, 9, 9, 2, 9], 9) == [(1, 2), (4, 1)]``.
+    """
+    out: list[tuple[int, int]] = []
+    for i, t in enumerate(ids):
+        if t == tok:
+            if out and sum(out[-1]) == i:
+                out[-1] = (out[-1][0], out[-1][1] + 1)
+            else:
+                out.append((i, 1))
+    return out
+
+
+def probe8(array: np.ndarray) -> list[float]:
+    """Eight exact values of ``array`` at flat indices ``k * (n - 1) // 7`` (the LLaVA rows' probe)."""
+    flat = np.ascontiguousarray(array, dtype=np.float32).reshape(-1)
+    return [float(flat[k * (flat.size - 1) // 7]) for k in range(8)]

@@ -1,99 +1,38 @@
-"""Tier (a): the Gemma 3 family against golden fingerprints of the transformers reference.
+"""The Gemma 3 family's own checks: pan-and-scan, the text-level prompt update, hints, wire layout.
 
-``golden/gemma3.json`` was written by ``scripts/gen_golden_gemma3.py`` (versions recorded in the
-file).  No transformers here, and no torch for the ``pil`` rows: the same image bytes are
-regenerated (``parity_support.ImageSpec.encode``) and run through the family directly
-(``decode_image`` -> ``plan`` -> ``preprocess`` -> ``mmgate.models.family.assemble``), with the
-request's ``mm_processor_kwargs`` as ``ItemHints.options``; ``num_crops``, the ``pixel_values``
-shape and the sha256 of its float32 bytes must match the reference's.
-
-Prompts: the chat template rendered by mmgate (``{"type": "image"}`` parts, as the planner
-passes them), each ``<start_of_image>`` replaced by ``expand(plan).text``, tokenized with
-``BundleTokenizer.encode_prompt`` must give the reference ids
-(``processor(text=rendered, images=..., add_special_tokens=False)``), and the placeholder ranges
-the ``Replacement`` defines must be the ones vLLM finds (recorded).
-
-Also here, without the reference: ``check_hints`` refusals, the pan-and-scan arithmetic on
-worked examples, the exact replacement strings, the wire specs and the registry dispatch.
+The golden replay of ``golden/gemma3.json`` (pixel rows per pan-and-scan option set, decodes,
+conversations with vLLM's placeholder ranges, the torch-free pil row) is
+``test_golden_replay.py``'s (``replay.gemma3_row`` / ``replay.gemma3_conversation``).  Here,
+against the fixture's recorded bundle facts or without the reference: what the fixture records
+beyond the shared coverage, the exact replacement strings, ``check_hints`` refusals, the
+pan-and-scan arithmetic on worked examples, the wire specs and the registry dispatch.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import subprocess
-import sys
-import textwrap
 from functools import cache
-from pathlib import Path
 
 import numpy as np
-import PIL
 import pytest
-from gemma3_support import (
-    GEMMA3_BUNDLE,
-    GEMMA3_GOLDEN,
-    collapse_runs,
-    options_tuple,
-    replacement_ranges,
-    sha256_f32le,
-    sha256_ids,
-    substitute_anchors,
-    template_messages,
-    vllm_placeholders,
-)
-from parity_support import ImageSpec, find_bundle_dir
+from gemma3_support import GEMMA3_BUNDLE, options_tuple, replacement_ranges, vllm_placeholders
+from replay import bundle_and_tokenizer as _bundle_and_tokenizer
+from replay import decoded, golden
 
-from mmgate.chat.template import render_chat
-from mmgate.chat.tokenizer import load_tokenizer
 from mmgate.errors import ErrorCode, GatewayError
-from mmgate.media.image import decode_image
-from mmgate.models.bundle import load_bundle
 from mmgate.models.family import assemble
 from mmgate.models.gemma3 import Gemma3Family, PanAndScan, pan_and_scan_grid
 from mmgate.models.registry import FAMILY_BY_MODEL_TYPE, load_family
-from mmgate.settings import FetchSettings, ImageBackend
+from mmgate.settings import ImageBackend
 from mmgate.types import ItemHints, Modality, TensorLayout
 
-GOLDEN = json.loads(GEMMA3_GOLDEN.read_text(encoding="utf-8"))
-IMAGES = {img["name"]: img for img in GOLDEN["images"]}
-VERSIONS = GOLDEN["versions"]
+GOLDEN = golden("gemma3")
 BUNDLE_INFO = GOLDEN["bundles"][0]
-MAX_DECODE_PIXELS = FetchSettings().max_image_pixels
 DEFAULTS = PanAndScan(enabled=True, min_crop_size=256, max_num_crops=4, min_ratio_to_activate=1.2)
 
 
-def versions_note() -> str:
-    local = {"Pillow": PIL.__version__, "numpy": np.__version__}
-    try:
-        import torch
-        import torchvision
-
-        local |= {"torch": torch.__version__, "torchvision": torchvision.__version__}
-    except ImportError:
-        local |= {"torch": "missing", "torchvision": "missing"}
-    parts = [f"{k} golden={VERSIONS.get(k)} here={v}" for k, v in local.items()]
-    return ("(" + ", ".join(parts) + f"; golden from transformers {VERSIONS.get('transformers')}: if a version "
-            "differs, regenerate with scripts/gen_golden_gemma3.py and run test_gemma3_live_parity.py first)")
-
-
-def spec_of(name: str) -> ImageSpec:
-    img = IMAGES[name]
-    return ImageSpec(img["width"], img["height"], img["mode"], img["seed"], img["format"], name)
-
-
-@cache
-def image_bytes(name: str) -> bytes:
-    return spec_of(name).encode()
-
-
-@cache
 def bundle_and_tokenizer():
-    path = find_bundle_dir(GEMMA3_BUNDLE)
-    if path is None:
-        pytest.skip(f"model bundle {GEMMA3_BUNDLE} not on MMGATE_MODEL_PATH / ../shared/models")
-    bundle = load_bundle(Path(path))
-    return bundle, load_tokenizer(bundle)
+    return _bundle_and_tokenizer(GEMMA3_BUNDLE)
 
 
 @cache
@@ -104,79 +43,11 @@ def family_for(backend: str) -> Gemma3Family:
     return family
 
 
-def _row_id(row: dict) -> str:
-    opts = "off" if not row["options"] else "on" if len(row["options"]) == 1 else "custom"
-    return f"{row['backend']}-{row['image']}-pas_{opts}"
-
-
-# ---------------------------------------------------------------- golden tier
-
-
-def test_golden_file_is_small_and_covers_both_backends_every_image_and_pan_and_scan() -> None:
-    assert GEMMA3_GOLDEN.stat().st_size < 200_000
-    keys = {(r["backend"], r["image"], json.dumps(r["options"], sort_keys=True)) for r in GOLDEN["rows"]}
-    for backend in ("pil", "torchvision"):
-        for name in IMAGES:
-            assert (backend, name, "{}") in keys and (backend, name, '{"do_pan_and_scan": true}') in keys
-    assert BUNDLE_INFO["model_type"] == "gemma3"
+def test_golden_file_records_both_processor_classes_crops_and_pan_and_scan_conversations() -> None:
+    """Beyond ``test_golden_replay``'s coverage (a row per backend x image x pan-and-scan off / on)."""
     assert BUNDLE_INFO["image_processor_classes"] == {"torchvision": "Gemma3ImageProcessor",
                                                       "pil": "Gemma3ImageProcessorPil"}
     assert any(r["num_crops"] > 0 for r in GOLDEN["rows"]) and any(c["options"] for c in GOLDEN["conversations"])
-
-
-@pytest.mark.parametrize("name", sorted(IMAGES))
-def test_decoded_rgb_pixels_equal_the_reference_decode(name: str) -> None:
-    decoded = decode_image(image_bytes(name), MAX_DECODE_PIXELS)
-    digest = hashlib.sha256(np.ascontiguousarray(decoded.pixels).tobytes()).hexdigest()
-    assert digest == IMAGES[name]["rgb_sha256"], f"{spec_of(name).label()}: decode differs {versions_note()}"
-
-
-@pytest.mark.parametrize("row", GOLDEN["rows"], ids=_row_id)
-def test_pixel_values_and_num_crops_equal_the_reference(row: dict) -> None:
-    proc = family_for(row["backend"]).image
-    label = f"backend={row['backend']} image={spec_of(row['image']).label()} options={row['options']}"
-    hints = ItemHints(options=options_tuple(row["options"]))
-    proc.check_hints(hints, "messages[0].content[0]")
-    decoded = decode_image(image_bytes(row["image"]), MAX_DECODE_PIXELS)
-    plan = proc.plan(decoded.height, decoded.width, hints)
-    assert plan.detail[0] == row["num_crops"], label
-    assert plan.num_tokens == (1 + row["num_crops"]) * BUNDLE_INFO["image_seq_length"], label
-    batch = assemble(proc, [plan], [proc.preprocess(decoded, plan)])
-    pv = batch.tensors["pixel_values"]
-    assert pv.dtype == np.float32 and list(pv.shape) == row["pixel_values_shape"], label
-    assert batch.tensors["num_crops"].tolist() == [row["num_crops"]], label
-    assert batch.tensors["num_patches"].tolist() == [row["num_crops"] + 1], label
-    if sha256_f32le(pv) != row["pixel_values_sha256"]:
-        n, _, h, w = pv.shape
-        got = [*pv[0, :, h // 2, w // 2], *pv[n - 1, :, h // 3, w - 1 - w // 3]]
-        worst = max(abs(float(a) - b) for a, b in zip(got, row["probe"]))
-        pytest.fail(f"{label}: pixel_values differ from the golden (probe max |diff| {worst:.3g}) {versions_note()}")
-
-
-@pytest.mark.parametrize("conv", GOLDEN["conversations"],
-                         ids=lambda c: f"{len(c['images'])}img-{'pas' if c['options'] else 'plain'}")
-def test_expanded_input_ids_and_placeholder_ranges_equal_the_reference(conv: dict) -> None:
-    bundle, tok = bundle_and_tokenizer()
-    proc = family_for("pil").image
-    prompt = render_chat(bundle.chat_template, template_messages(conv["turns"]), tok.special_tokens)
-    assert prompt == conv["prompt"]
-    hints = ItemHints(options=options_tuple(conv["options"]))
-    decoded = [decode_image(image_bytes(name), MAX_DECODE_PIXELS) for name in conv["images"]]
-    plans = [proc.plan(im.height, im.width, hints) for im in decoded]
-    assert [pl.detail[0] for pl in plans] == conv["num_crops"]
-    reps = [proc.expand(pl) for pl in plans]
-    ids = tok.encode_prompt(substitute_anchors(prompt, [r.text for r in reps]))
-    assert collapse_runs(ids, proc.placeholder_token_id) == (conv["input_ids_collapsed"], conv["soft_runs"])
-    assert len(ids) == conv["input_ids_len"]
-    assert ids.count(proc.placeholder_token_id) == conv["num_image_soft"] == sum(pl.num_tokens for pl in plans)
-    assert sha256_ids(ids) == conv["input_ids_sha256"]
-    ranges = replacement_ranges(ids, proc.placeholder_token_id,
-                                [(r.embed_offset, r.embed_length, r.trail) for r in reps])
-    if conv["vllm_placeholders"] is not None:
-        assert [list(r) for r in ranges] == conv["vllm_placeholders"]
-    else:  # a newline run vLLM cannot split: the range opens on the token holding the "\n\n"
-        for (start, _), rep in zip(ranges, reps):
-            assert rep.embed_offset == 2 and set(tok.decode([ids[start]], skip_special_tokens=False)) == {"\n"}
 
 
 # ---------------------------------------------------------------- prompt update
@@ -329,7 +200,7 @@ def test_specs_follow_vllm_gemma3_mm_fields_config() -> None:
 def test_a_batch_of_items_with_and_without_crops_is_laid_out_flat() -> None:
     proc = family_for("pil").image
     hints = ItemHints(options=(("do_pan_and_scan", True),))
-    items = [decode_image(image_bytes(n), MAX_DECODE_PIXELS) for n in ("rgb_640x480", "tiny_1x1", "uneven_1001x300")]
+    items = [decoded("gemma3", n) for n in ("rgb_640x480", "tiny_1x1", "uneven_1001x300")]
     plans = [proc.plan(im.height, im.width, hints) for im in items]
     shares = [proc.preprocess(im, pl) for im, pl in zip(items, plans)]
     batch = assemble(proc, plans, shares)
@@ -342,11 +213,11 @@ def test_a_batch_of_items_with_and_without_crops_is_laid_out_flat() -> None:
 
 def test_raw_pixels_are_the_resized_bytes_in_the_same_layout() -> None:
     proc = family_for("pil").image
-    decoded = decode_image(image_bytes("exact_896x896"), MAX_DECODE_PIXELS)
-    plan = proc.plan(decoded.height, decoded.width)
-    raw = proc.preprocess(decoded, plan, raw=True)
+    image = decoded("gemma3", "exact_896x896")
+    plan = proc.plan(image.height, image.width)
+    raw = proc.preprocess(image, plan, raw=True)
     assert raw.dtype == np.uint8 and raw.shape == (1, 3, 896, 896)
-    assert np.array_equal(raw[0], np.moveaxis(decoded.pixels, 2, 0))
+    assert np.array_equal(raw[0], np.moveaxis(image.pixels, 2, 0))
 
 
 def test_registry_serves_gemma3_with_images_only_and_reserves_its_media_tokens() -> None:
@@ -355,43 +226,6 @@ def test_registry_serves_gemma3_with_images_only_and_reserves_its_media_tokens()
     assert family.video is None and set(family.limits) == {Modality.IMAGE}
     assert family.reserved_tokens == ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
     assert family_for("pil").fingerprint != family_for("torchvision").fingerprint
-
-
-def test_pil_backend_runs_without_transformers_or_torch() -> None:
-    """The golden tier's core claim: the PIL path needs neither transformers nor torch."""
-    row = next(r for r in GOLDEN["rows"] if r["backend"] == "pil" and r["num_crops"] > 0)
-    if find_bundle_dir(GEMMA3_BUNDLE) is None:
-        pytest.skip(f"model bundle {GEMMA3_BUNDLE} not on the model search path")
-    script = textwrap.dedent(f"""
-        import sys
-        class Block:
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in ("transformers", "torch", "torchvision"):
-                    raise ImportError("blocked: " + name)
-        sys.meta_path.insert(0, Block())
-        sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
-        from pathlib import Path
-        from gemma3_support import GEMMA3_BUNDLE, options_tuple, sha256_f32le
-        from parity_support import ImageSpec, find_bundle_dir
-        from mmgate.chat.tokenizer import load_tokenizer
-        from mmgate.media.image import decode_image
-        from mmgate.models.bundle import load_bundle
-        from mmgate.models.registry import load_family
-        from mmgate.settings import ImageBackend
-        from mmgate.types import ItemHints
-        bundle = load_bundle(Path(find_bundle_dir(GEMMA3_BUNDLE)))
-        proc = load_family(bundle, load_tokenizer(bundle), ImageBackend.PIL).image
-        img = {IMAGES[row['image']]!r}
-        decoded = decode_image(ImageSpec(img["width"], img["height"], img["mode"], img["seed"], img["format"]).encode(),
-                               10**9)
-        plan = proc.plan(decoded.height, decoded.width, ItemHints(options=options_tuple({row['options']!r})))
-        share = proc.preprocess(decoded, plan)
-        assert not any(m.split(".")[0] in ("transformers", "torch") for m in sys.modules)
-        print(sha256_f32le(share))
-    """)
-    out = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == row["pixel_values_sha256"]
 
 
 def test_vllm_placeholder_port_on_a_worked_example() -> None:

@@ -19,18 +19,18 @@ The corpus: edge sizes (1x1, thin strips, extreme aspect ratios, the crop activa
 minimum crop size from both sides, every image mode, JPEG) and random sizes from a seeded RNG
 (``MMGATE_PARITY_SEED`` pins it; printed).  The default run takes a representative sample of about
 20 sizes per backend; the ``slow`` tests take every edge size and >= 200 random sizes.
+
+The corpus comparison itself runs in ``test_live_parity.py`` (one test for every family, over
+this module's ``LIVE``: cases, corpora, ``compare_one``, ``check_results``; the loop is
+``live_support.run_live``); the conversation tests and the checks only this family has are here.
 """
 
 from __future__ import annotations
 
 import io
 import math
-import os
-import secrets
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,32 +38,25 @@ from gemma3_support import (
     GEMMA3_BUNDLE,
     PAS_ON,
     options_tuple,
-    reference_messages,
     replacement_ranges,
     substitute_anchors,
-    template_messages,
     vllm_placeholders,
 )
-from parity_support import MODES, ImageSpec, find_bundle_dir
+import live_support as live
+from parity_support import ImageSpec, reference_messages, template_messages
 from PIL import Image
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("torchvision")
 
 from mmgate.chat.template import render_chat
-from mmgate.chat.tokenizer import load_tokenizer
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.image import decode_image
-from mmgate.models.bundle import load_bundle
 from mmgate.models.family import assemble
-from mmgate.models.registry import load_family
 from mmgate.settings import FetchSettings, ImageBackend
 from mmgate.types import ItemHints
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-SEED = int(os.environ.get("MMGATE_PARITY_SEED") or secrets.randbits(32))
-print(f"\n[gemma3 live parity] seed={SEED} (rerun with MMGATE_PARITY_SEED={SEED})")
+SEED = live.live_seed("gemma3")
 
 NUM_RANDOM = 200  # random sizes per slow run, on top of the edge sizes
 NUM_SAMPLE_EDGE, NUM_SAMPLE_RANDOM = 12, 8  # the default run's sample
@@ -85,17 +78,12 @@ def edge_specs(seed: int) -> list[ImageSpec]:
         (1001, 300), (1027, 256),  # uneven last crop
     ]
     specs = [ImageSpec(w, h, "RGB", seed + i, name="edge") for i, (w, h) in enumerate(sizes)]
-    for j, mode in enumerate(MODES):
-        specs.append(ImageSpec(700 + 3 * j, 301, mode, seed + 100 + j, name="mode"))
-        specs.append(ImageSpec(61, 97 + 7 * j, mode, seed + 200 + j, name="mode"))
-    specs += [ImageSpec(1023, 769, m, seed + 300 + k, "JPEG", name="jpeg") for k, m in enumerate(("RGB", "L"))]
-    return specs
+    return specs + live.mode_specs(seed, lambda j: (700 + 3 * j, 301), lambda j: (61, 97 + 7 * j), (1023, 769))
 
 
 def random_specs(rng: np.random.Generator, count: int) -> list[ImageSpec]:
     """Log-uniform sides 1..2000; a third of them with the long side 1.1-5x the short one."""
     specs: list[ImageSpec] = []
-    modes = ("RGB",) * 6 + MODES
     while len(specs) < count:
         if len(specs) % 3 == 0:
             short = int(rng.integers(200, 700))
@@ -103,9 +91,7 @@ def random_specs(rng: np.random.Generator, count: int) -> list[ImageSpec]:
             w, h = (long, short) if rng.random() < 0.5 else (short, long)
         else:
             w, h = (round(math.exp(v)) for v in rng.uniform(0.0, math.log(2000), size=2))
-        mode = str(rng.choice(modes))
-        fmt = "JPEG" if mode in ("RGB", "L") and rng.random() < 0.2 else "PNG"
-        specs.append(ImageSpec(w, h, mode, int(rng.integers(0, 2**31)), fmt, name="random"))
+        specs.append(live.random_spec(rng, w, h))
     return specs
 
 
@@ -116,59 +102,43 @@ def random_options(rng: np.random.Generator) -> dict:
 
 
 @dataclass
-class Case:
-    bundle: object
-    tokenizer: object
-    families: dict
-    processors: dict  # backend -> Gemma3Processor with that backend's image processor
-    edges: list
-    randoms: list
+class Case(live.Reference):
+    """The bundle's references (``processors``: per backend) and its corpus."""
+
+    edges: list = field(default_factory=list)
+    randoms: list = field(default_factory=list)
+
+    @property
+    def processors(self) -> dict:
+        return self.ref_processor
 
 
 @lru_cache(maxsize=1)
 def case() -> Case:
-    path = find_bundle_dir(GEMMA3_BUNDLE)
-    if path is None:
-        pytest.skip(f"model bundle {GEMMA3_BUNDLE} not on MMGATE_MODEL_PATH / ../shared/models")
-    from transformers import AutoImageProcessor, AutoProcessor
-
-    bundle = load_bundle(Path(path))
-    tok = load_tokenizer(bundle)
-    processor = AutoProcessor.from_pretrained(str(path))
-    pil_ip = AutoImageProcessor.from_pretrained(str(path), backend="pil")
-    assert type(processor.image_processor).__name__ == "Gemma3ImageProcessor"
-    assert type(pil_ip).__name__ == "Gemma3ImageProcessorPil"
-    rng = np.random.default_rng(SEED)
-    return Case(bundle=bundle, tokenizer=tok, families={be: load_family(bundle, tok, be) for be in BACKENDS},
-                processors={ImageBackend.TORCHVISION: processor,
-                            ImageBackend.PIL: AutoProcessor.from_pretrained(str(path), image_processor=pil_ip)},
-                edges=edge_specs(SEED % 100_000), randoms=random_specs(rng, NUM_RANDOM))
+    ref = live.load_reference(GEMMA3_BUNDLE, "Gemma3ImageProcessor")
+    assert type(ref.ref_processor[ImageBackend.TORCHVISION]).__name__ == "Gemma3Processor"
+    return Case(**vars(ref), edges=edge_specs(SEED % 100_000),
+                randoms=random_specs(np.random.default_rng(SEED), NUM_RANDOM))
 
 
-# ---------------------------------------------------------------- comparison
+# ---------------------------------------------------------------- comparison (test_live_parity.py runs it)
 
 
-def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
-    if a.shape != b.shape:
-        return math.nan
-    if np.array_equal(a, b):
-        return 0.0
-    return float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
-
-
-def compare_one(c: Case, backend: ImageBackend, spec: ImageSpec, data: bytes, options: dict) -> tuple[str, float]:
-    """('equal' | 'both_refused' | a mismatch description, max |diff|)."""
+def compare_one(key: str, backend: ImageBackend, job: live.Job, data: bytes) -> tuple[str, float]:
+    """``pixel_values`` and ``num_crops`` identical with the job's ``mm_processor_kwargs``, or both
+    refuse (the reference raises, mmgate answers INVALID_REQUEST)."""
     from transformers import Gemma3Processor
 
+    c = case()
     ref_error: Exception | None = None
     try:
         ref = c.processors[backend].image_processor(images=[Image.open(io.BytesIO(data))],
-                                                    **{**Gemma3Processor.images_kwargs, **options},
+                                                    **{**Gemma3Processor.images_kwargs, **job.options},
                                                     return_tensors="np")
     except (ValueError, RuntimeError) as exc:
         ref_error = exc
     proc = c.families[backend].image
-    hints = ItemHints(options=options_tuple(options))
+    hints = ItemHints(options=options_tuple(job.options))
     try:
         proc.check_hints(hints, "messages[0].content[0]")
         decoded = decode_image(data, MAX_DECODE_PIXELS)
@@ -176,47 +146,33 @@ def compare_one(c: Case, backend: ImageBackend, spec: ImageSpec, data: bytes, op
         batch = assemble(proc, [plan], [proc.preprocess(decoded, plan)])
     except GatewayError as exc:
         if ref_error is not None and exc.code is ErrorCode.INVALID_REQUEST:
-            return "both_refused", 0.0
+            return live.REFUSED, 0.0
         return f"mmgate refused ({exc.code}: {exc}), reference {'refused' if ref_error else 'accepted'}", math.nan
     if ref_error is not None:
         return f"reference failed ({type(ref_error).__name__}: {ref_error}), mmgate accepted", math.nan
-    ref_pv, pv = np.asarray(ref["pixel_values"]), batch.tensors["pixel_values"]
-    diff = _max_abs_diff(ref_pv, pv)
-    problems = []
-    if ref_pv.shape != pv.shape or ref_pv.dtype != pv.dtype:
-        problems.append(f"pixel_values {pv.dtype}{pv.shape} != reference {ref_pv.dtype}{ref_pv.shape}")
-    if list(np.asarray(ref["num_crops"])) != batch.tensors["num_crops"].tolist():
-        problems.append(f"num_crops {batch.tensors['num_crops'].tolist()} != {list(ref['num_crops'])}")
-    if not problems and diff != 0.0:
-        problems.append(f"pixel_values differ: max |diff| {diff:.3g} on {float(np.mean(ref_pv != pv)):.4%}")
-    return ("; ".join(problems) if problems else "equal"), diff
+    problems, diff = live.tensor_problems(
+        {"pixel_values": ref["pixel_values"], "num_crops": ref["num_crops"]}, batch.tensors)
+    return ("; ".join(problems) if problems else live.EQUAL), diff
 
 
-def run_corpus(backend: ImageBackend, specs: list[ImageSpec], custom_every: int) -> None:
-    c = case()
+def jobs(specs: list[ImageSpec], custom_every: int) -> list[live.Job]:
+    """Each image with pan-and-scan off and on, and every ``custom_every``-th with random settings."""
     rng = np.random.default_rng([SEED, 7])
-    t0 = time.perf_counter()
-    mismatches: list[str] = []
-    worst, runs, refused, with_crops = 0.0, 0, 0, 0
+    out: list[live.Job] = []
     for k, spec in enumerate(specs):
-        data = spec.encode()
         option_sets = [{}, PAS_ON] + ([random_options(rng)] if custom_every and k % custom_every == 0 else [])
-        for options in option_sets:
-            outcome, diff = compare_one(c, backend, spec, data, options)
-            runs += 1
-            if outcome == "both_refused":
-                refused += 1
-            elif outcome != "equal":
-                mismatches.append(f"{spec.label()} options={options}: {outcome}")
-            else:
-                worst = max(worst, diff)
-                with_crops += bool(options) and c.families[backend].image.plan(
-                    spec.height, spec.width, ItemHints(options=options_tuple(options))).detail[0] > 0
-    print(f"[gemma3 {backend.value}] {len(specs)} images, {runs} comparisons ({with_crops} with crops, {refused} "
-          f"refused by both), max |diff| = {worst}, {time.perf_counter() - t0:.1f}s")
-    assert not mismatches, (f"seed={SEED} backend={backend.value}: {len(mismatches)} of {runs} comparisons differ:\n"
-                            + "\n".join(mismatches))
-    assert worst == 0.0 and with_crops > 0
+        out += [live.Job(spec, options) for options in option_sets]
+    return out
+
+
+def check_results(key: str, backend: ImageBackend, results: list[live.Result]) -> None:
+    """Some comparisons with pan-and-scan on cut crops."""
+    proc = case().families[backend].image
+    with_crops = sum(bool(r.job.options) and proc.plan(r.job.spec.height, r.job.spec.width,
+                                                       ItemHints(options=options_tuple(r.job.options))).detail[0] > 0
+                     for r in results if r.outcome == live.EQUAL)
+    print(f"[gemma3 {backend.value}] {with_crops} comparisons with crops")
+    assert with_crops > 0
 
 
 def sample() -> list[ImageSpec]:
@@ -225,17 +181,16 @@ def sample() -> list[ImageSpec]:
     return c.edges[::step][:NUM_SAMPLE_EDGE] + c.randoms[:NUM_SAMPLE_RANDOM]
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.value)
-def test_pixel_values_equal_the_reference_on_a_sample(backend: ImageBackend) -> None:
-    run_corpus(backend, sample(), custom_every=4)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.value)
-def test_pixel_values_equal_the_reference_on_edge_and_random_images(backend: ImageBackend) -> None:
+def full_corpus(key: str) -> list[live.Job]:
     c = case()
     assert len(c.randoms) >= 200
-    run_corpus(backend, c.edges + c.randoms, custom_every=3)
+    return jobs(c.edges + c.randoms, custom_every=3)
+
+
+LIVE = live.LiveFamily(
+    label="gemma3", keys=("gemma3",), key_id=str, seed=SEED, compare=compare_one, full=full_corpus,
+    sample=lambda key: jobs(sample(), custom_every=4), check_results=check_results,
+)
 
 
 # ---------------------------------------------------------------- conversations
@@ -288,8 +243,7 @@ def run_conversations(backend: ImageBackend, count: int) -> None:
         if prompt != rendered:
             failures.append(f"{label}: rendered prompt differs")
         if ids != ref_ids:
-            first = next((i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), min(len(ids), len(ref_ids)))
-            failures.append(f"{label}: input_ids differ at {first} (len {len(ids)} vs reference {len(ref_ids)})")
+            failures.append(f"{label}: {live.first_difference(ids, ref_ids)}")
             continue
         compared += 1
         if not np.array_equal(batch.tensors["pixel_values"], ref["pixel_values"]):

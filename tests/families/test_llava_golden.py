@@ -1,43 +1,23 @@
-"""Tier (a): the LLaVA-1.5 and LLaVA-NeXT families against golden fingerprints of transformers.
+"""The LLaVA-1.5 and LLaVA-NeXT families' own checks, without the reference.
 
-``golden/llava.json`` and ``golden/llava_next.json`` were written by
-``scripts/gen_golden_llava.py`` (versions recorded in the files).  No transformers here, and no
-torch for the ``pil`` rows: the same image bytes are regenerated (``parity_support.ImageSpec``)
-and run through the family's image processor directly (``decode_image`` -> ``plan`` ->
-``preprocess`` -> ``mmgate.models.family.assemble``); the ``pixel_values`` shape, sha256 and
-probe values, ``image_sizes``, the geometry and the token count must match the reference's.
-
-Prompts: the chat template rendered by mmgate (``{"type": "image"}`` parts, as the planner
-passes them), tokenized by ``BundleTokenizer.encode_prompt`` (which adds the one BOS the
-processor's tokenizer call adds), each ``<image>`` anchor spliced with ``expand(plan)``
-(``mmgate.planning.splice_all``) must give the reference ids
-(``processor(text=apply_chat_template(..., tokenize=False), images=...)``), and every
-placeholder range must be exactly its ``<image>`` run (vLLM's ``PromptReplacement`` for both).
-
-Also here, without the reference: wire specs (vLLM ``_get_mm_fields_config``), hint refusals,
+The golden replay of ``golden/llava.json`` and ``golden/llava_next.json`` (pixel rows, decodes,
+conversations with their placeholder ranges, the torch-free pil row) is
+``test_golden_replay.py``'s (``replay.llava_row`` / ``replay.llava_conversation``).  Here: wire
+specs (vLLM ``_get_mm_fields_config``), NeXT's zero-padded batch, the raw share, hint refusals,
 the resize bound, limits, the registry dispatch and the ported arithmetic on worked examples.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import subprocess
-import sys
-import textwrap
 from functools import cache
-from pathlib import Path
 
 import numpy as np
-import PIL
 import pytest
-from parity_support import GOLDEN_DIR, ImageSpec, find_bundle_dir
+from parity_support import ImageSpec
+from replay import bundle_and_tokenizer, golden
 
-from mmgate.chat.template import render_chat
-from mmgate.chat.tokenizer import load_tokenizer
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.image import decode_image
-from mmgate.models.bundle import load_bundle
 from mmgate.models.family import assemble
 from mmgate.models.llava import (
     MAX_RESIZED_PIXELS,
@@ -52,157 +32,18 @@ from mmgate.models.llava_next import (
     unpadded_features,
 )
 from mmgate.models.registry import FAMILY_BY_MODEL_TYPE, load_family
-from mmgate.planning import splice_all
 from mmgate.settings import FetchSettings, ImageBackend
 from mmgate.types import ItemHints, Modality, TensorLayout
 
-GOLDENS = {name: json.loads((GOLDEN_DIR / f"{name}.json").read_text(encoding="utf-8"))
-           for name in ("llava", "llava_next")}
+GOLDENS = {name: golden(name) for name in ("llava", "llava_next")}
 FAMILY_CLASSES = {"llava": LlavaFamily, "llava_next": LlavaNextFamily}
 MAX_DECODE_PIXELS = FetchSettings().max_image_pixels
-BACKENDS = ("pil", "torchvision")
-
-
-def versions_note(golden: dict) -> str:
-    local = {"Pillow": PIL.__version__, "numpy": np.__version__}
-    try:
-        import torch
-        import torchvision
-
-        local |= {"torch": torch.__version__, "torchvision": torchvision.__version__}
-    except ImportError:
-        local |= {"torch": "missing", "torchvision": "missing"}
-    versions = golden["versions"]
-    parts = [f"{k} golden={versions.get(k)} here={v}" for k, v in local.items()]
-    return ("(" + ", ".join(parts) + f"; golden from transformers {versions.get('transformers')}: if a version "
-            "differs, regenerate with scripts/gen_golden_llava.py and run test_llava_live_parity.py first)")
-
-
-def spec_of(golden: dict, name: str) -> ImageSpec:
-    img = next(i for i in golden["images"] if i["name"] == name)
-    return ImageSpec(img["width"], img["height"], img["mode"], img["seed"], img["format"], name)
-
-
-@cache
-def image_bytes(family: str, name: str) -> bytes:
-    return spec_of(GOLDENS[family], name).encode()
-
-
-@cache
-def bundle_and_tokenizer(folder: str):
-    path = find_bundle_dir(folder)
-    if path is None:
-        pytest.skip(f"model bundle {folder} not on MMGATE_MODEL_PATH / ../shared/models")
-    bundle = load_bundle(Path(path))
-    return bundle, load_tokenizer(bundle)
 
 
 @cache
 def family_for(name: str, backend: str):
     bundle, tok = bundle_and_tokenizer(GOLDENS[name]["bundles"][0]["bundle"])
     return FAMILY_CLASSES[name].from_bundle(bundle, tok, ImageBackend(backend))
-
-
-def sha256_f32le(array: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(array, dtype="<f4").tobytes()).hexdigest()
-
-
-def probe(array: np.ndarray) -> list[float]:
-    flat = np.ascontiguousarray(array, dtype=np.float32).reshape(-1)
-    return [float(flat[k * (flat.size - 1) // 7]) for k in range(8)]
-
-
-def template_messages(turns: list) -> list[dict]:
-    """The conversation as the planner hands it to the template: ``{"type": "image"}`` parts."""
-    return [{"role": role, "content": [{"type": "image"} if isinstance(p, int) else {"type": "text", "text": p}
-                                       for p in parts]} for role, parts in turns]
-
-
-ROWS = [pytest.param(name, row, id=f"{name}-{row['backend']}-{row['image']}")
-        for name, golden in GOLDENS.items() for row in golden["rows"]]
-CONVERSATIONS = [pytest.param(name, conv, backend, id=f"{name}-{len(conv['images'])}img-{backend}")
-                 for name, golden in GOLDENS.items() for conv in golden["conversations"] for backend in BACKENDS]
-
-
-@pytest.mark.parametrize("name", sorted(GOLDENS))
-def test_golden_file_is_small_and_covers_both_backends_and_every_image(name: str) -> None:
-    golden = GOLDENS[name]
-    assert (GOLDEN_DIR / f"{name}.json").stat().st_size < 100_000
-    keys = {(r["backend"], r["image"]) for r in golden["rows"]}
-    assert keys == {(be, img["name"]) for be in BACKENDS for img in golden["images"]}
-    assert golden["bundles"][0]["model_type"] == name
-    assert {len(c["images"]) for c in golden["conversations"]} == {1, 2, 3}
-
-
-@pytest.mark.parametrize("name", sorted({img["name"] for g in GOLDENS.values() for img in g["images"]}))
-def test_decoded_rgb_pixels_equal_the_reference_decode(name: str) -> None:
-    for family, golden in GOLDENS.items():
-        entry = next((i for i in golden["images"] if i["name"] == name), None)
-        if entry is None:
-            continue
-        decoded = decode_image(image_bytes(family, name), MAX_DECODE_PIXELS)
-        digest = hashlib.sha256(np.ascontiguousarray(decoded.pixels).tobytes()).hexdigest()
-        assert digest == entry["rgb_sha256"], f"{name}: decoded RGB differs {versions_note(golden)}"
-
-
-@pytest.mark.parametrize(("name", "row"), ROWS)
-def test_pixel_values_geometry_and_token_count_equal_the_reference(name: str, row: dict) -> None:
-    golden = GOLDENS[name]
-    proc = family_for(name, row["backend"]).image
-    label = f"{name} backend={row['backend']} image={spec_of(golden, row['image']).label()}"
-    decoded = decode_image(image_bytes(name, row["image"]), MAX_DECODE_PIXELS)
-    plan = proc.plan(decoded.height, decoded.width)
-    assert list(plan.resized_hw) == row["resized_hw"], label
-    if "best_resolution" in row:
-        assert list(plan.detail[:2]) == row["best_resolution"], label
-    assert plan.num_tokens == row["num_image_tokens"], label
-    share = proc.preprocess(decoded, plan)
-    assert share.dtype == np.float32 and share.shape == plan.primary_shape, label
-    batch = assemble(proc, [plan], [share])
-    pv = batch.tensors["pixel_values"]
-    assert list(pv.shape) == [1, *row["pixel_values_shape"]], label
-    assert probe(pv[0]) == row["pixel_values_probe"], f"{label}: probe values differ {versions_note(golden)}"
-    assert sha256_f32le(pv[0]) == row["pixel_values_sha256"], f"{label}: pixel_values differ {versions_note(golden)}"
-    if "image_sizes" in row:
-        assert batch.tensors["image_sizes"].dtype == np.int64
-        assert batch.tensors["image_sizes"].tolist() == [row["image_sizes"]], label
-
-
-@pytest.mark.parametrize(("name", "conv", "backend"), CONVERSATIONS)
-def test_expanded_input_ids_and_placeholder_ranges_equal_the_reference(name: str, conv: dict, backend: str) -> None:
-    bundle, tok = bundle_and_tokenizer(conv["bundle"])
-    proc = family_for(name, backend).image
-    prompt = render_chat(bundle.chat_template, template_messages(conv["turns"]), tok.special_tokens)
-    assert prompt == conv["prompt"]
-    anchored = tok.encode_prompt(prompt)
-    assert anchored == conv["input_ids_collapsed"]  # one <image> per image before expansion, one BOS
-    decoded = [decode_image(image_bytes(name, n), MAX_DECODE_PIXELS) for n in conv["images"]]
-    plans = [proc.plan(im.height, im.width) for im in decoded]
-    ids, ranges = splice_all(anchored, {proc.anchor_token_id: [proc.expand(pl) for pl in plans]})
-    assert [pl.num_tokens for pl in plans] == conv["runs"]
-    assert len(ids) == conv["input_ids_len"] and ids.count(proc.placeholder_token_id) == conv["num_image_tokens"]
-    assert hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).hexdigest() == conv["input_ids_sha256"]
-    # each range is exactly one whole run of <image> (vLLM PromptReplacement: target [id], replacement [id] * n)
-    runs = [(i, n) for i, n in _runs(ids, proc.placeholder_token_id)]
-    assert [(r.offset, r.length) for r in ranges[proc.anchor_token_id]] == runs
-    batch = assemble(proc, plans, [proc.preprocess(im, pl) for im, pl in zip(decoded, plans)])
-    assert list(batch.tensors["pixel_values"].shape) == conv["pixel_values_shape"]
-    if "image_sizes" in conv:
-        assert batch.tensors["image_sizes"].tolist() == conv["image_sizes"]
-    if backend == "torchvision":  # the recorded batch is the torchvision processor's
-        assert sha256_f32le(batch.tensors["pixel_values"]) == conv["pixel_values_sha256"]
-
-
-def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for i, t in enumerate(ids):
-        if t != token:
-            continue
-        if out and out[-1][0] + out[-1][1] == i:
-            out[-1] = (out[-1][0], out[-1][1] + 1)
-        else:
-            out.append((i, 1))
-    return out
 
 
 # ---------------------------------------------------------------- without the reference
@@ -310,39 +151,3 @@ def test_clip_resize_and_crop_arithmetic() -> None:
     assert crop_span(335, 336, ImageBackend.TORCHVISION) == (0, 0, 335)
 
 
-@pytest.mark.parametrize("name", sorted(GOLDENS))
-def test_pil_backend_runs_without_transformers_or_torch(name: str) -> None:
-    golden = GOLDENS[name]
-    row = next(r for r in golden["rows"] if r["backend"] == "pil" and r["image"] == "rgb_640x480")
-    folder = golden["bundles"][0]["bundle"]
-    if find_bundle_dir(folder) is None:
-        pytest.skip(f"model bundle {folder} not on the model search path")
-    img = next(i for i in golden["images"] if i["name"] == row["image"])
-    script = textwrap.dedent(f"""
-        import hashlib, sys
-        class Block:
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in ("transformers", "torch", "torchvision"):
-                    raise ImportError("blocked: " + name)
-        sys.meta_path.insert(0, Block())
-        sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
-        import numpy as np
-        from pathlib import Path
-        from parity_support import ImageSpec, find_bundle_dir
-        from mmgate.chat.tokenizer import load_tokenizer
-        from mmgate.media.image import decode_image
-        from mmgate.models.bundle import load_bundle
-        from mmgate.models.registry import load_family
-        from mmgate.settings import ImageBackend
-        bundle = load_bundle(Path(find_bundle_dir({folder!r})))
-        proc = load_family(bundle, load_tokenizer(bundle), ImageBackend.PIL).image
-        decoded = decode_image(ImageSpec({img['width']}, {img['height']}, {img['mode']!r}, {img['seed']},
-                                         {img['format']!r}).encode(), 10**9)
-        plan = proc.plan(decoded.height, decoded.width)
-        share = proc.preprocess(decoded, plan)
-        assert not any(m.split(".")[0] in ("transformers", "torch") for m in sys.modules)
-        print(hashlib.sha256(np.ascontiguousarray(share, dtype="<f4").tobytes()).hexdigest())
-    """)
-    out = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == row["pixel_values_sha256"]

@@ -22,42 +22,37 @@ printed).  The default run takes a sample of about 20 sizes per family and backe
 conversations; the ``slow`` tests take every edge size, >= 200 random sizes per family and 24
 conversations.  Images past LLaVA-1.5's ``MAX_RESIZED_PIXELS`` are refused by mmgate (the
 reference would resize them), checked by arithmetic, not run through the reference.
+
+The corpus comparison itself runs in ``test_live_parity.py`` (one test for every family, over
+this module's ``LIVE``: cases, corpora, ``compare_one``, ``check_results``; the loop is
+``live_support.run_live``); the conversation tests and the checks only this family has are here.
 """
 
 from __future__ import annotations
 
 import io
 import math
-import os
-import secrets
-import time
-from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 
 import numpy as np
 import pytest
-from parity_support import MODES, ImageSpec, find_bundle_dir
+import live_support as live
+from parity_support import MODES, ImageSpec, reference_messages, template_messages, whole_runs
 from PIL import Image
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("torchvision")
 
 from mmgate.chat.template import render_chat
-from mmgate.chat.tokenizer import load_tokenizer
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.image import decode_image
-from mmgate.models.bundle import load_bundle
 from mmgate.models.family import assemble
 from mmgate.models.llava import MAX_RESIZED_PIXELS, LlavaFamily, shortest_edge_size
 from mmgate.models.llava_next import LlavaNextFamily
 from mmgate.planning import splice_all
 from mmgate.settings import FetchSettings, ImageBackend
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-SEED = int(os.environ.get("MMGATE_PARITY_SEED") or secrets.randbits(32))
-print(f"\n[llava live parity] seed={SEED} (rerun with MMGATE_PARITY_SEED={SEED})")
+SEED = live.live_seed("llava")
 
 BUNDLES = {"llava": "llava-hf--llava-1.5-7b-hf", "llava_next": "llava-hf--llava-v1.6-mistral-7b-hf"}
 FAMILY_CLASSES = {"llava": LlavaFamily, "llava_next": LlavaNextFamily}
@@ -93,17 +88,12 @@ def edge_specs(seed: int) -> list[ImageSpec]:
         sizes += [(pw + dw, ph + dh) for dh in (-1, 0, 1) for dw in (-1, 0, 1)]
         sizes += [(pw // 2, ph // 2), (pw // 2 + 1, ph // 2), (pw * 2, ph * 2), (pw * 2 + 1, ph * 2 - 1)]
     specs = [ImageSpec(w, h, "RGB", seed + i, name="edge") for i, (w, h) in enumerate(sizes)]
-    for j, mode in enumerate(MODES):  # every mode at off-grid sizes
-        specs.append(ImageSpec(350 + 3 * j, 301, mode, seed + 100 + j, name="mode"))
-        specs.append(ImageSpec(61, 97 + 7 * j, mode, seed + 200 + j, name="mode"))
-    specs += [ImageSpec(1023, 769, m, seed + 300 + k, "JPEG", name="jpeg") for k, m in enumerate(("RGB", "L"))]
-    return specs
+    return specs + live.mode_specs(seed, lambda j: (350 + 3 * j, 301), lambda j: (61, 97 + 7 * j), (1023, 769))
 
 
 def random_specs(rng: np.random.Generator, count: int) -> list[ImageSpec]:
     """Log-uniform sides 1..2000 (aspect <= 200); a third near the pinpoint aspect ratios 1:1, 1:2, 1:3."""
     specs: list[ImageSpec] = []
-    modes = ("RGB",) * 6 + MODES
     while len(specs) < count:
         if len(specs) % 3 == 0:
             short = int(rng.integers(100, 1100))
@@ -113,42 +103,14 @@ def random_specs(rng: np.random.Generator, count: int) -> list[ImageSpec]:
             w, h = (round(math.exp(v)) for v in rng.uniform(0.0, math.log(2000), size=2))
             if max(w, h) / min(w, h) > 200:
                 continue
-        mode = str(rng.choice(modes))
-        fmt = "JPEG" if mode in ("RGB", "L") and rng.random() < 0.2 else "PNG"
-        specs.append(ImageSpec(w, h, mode, int(rng.integers(0, 2**31)), fmt, name="random"))
+        specs.append(live.random_spec(rng, w, h))
     return specs
 
 
-@dataclass
-class Case:
-    name: str
-    bundle: object
-    tokenizer: object
-    families: dict  # backend -> mmgate family
-    ref_image: dict  # backend -> reference image processor
-    ref_processor: dict  # backend -> reference processor
-
-
 @cache
-def case_for(name: str) -> Case:
-    path = find_bundle_dir(BUNDLES[name])
-    if path is None:
-        pytest.skip(f"model bundle {BUNDLES[name]} not on MMGATE_MODEL_PATH / ../shared/models")
-    from transformers import AutoImageProcessor, AutoProcessor
-
-    bundle = load_bundle(Path(path))
-    tok = load_tokenizer(bundle)
-    processor = AutoProcessor.from_pretrained(str(path))
-    pil_ip = AutoImageProcessor.from_pretrained(str(path), backend="pil")
-    expected = {"llava": "CLIPImageProcessor", "llava_next": "LlavaNextImageProcessor"}[name]
-    assert type(processor.image_processor).__name__ == expected and type(pil_ip).__name__ == expected + "Pil"
-    return Case(
-        name=name, bundle=bundle, tokenizer=tok,
-        families={be: FAMILY_CLASSES[name].from_bundle(bundle, tok, be) for be in BACKENDS},
-        ref_image={ImageBackend.TORCHVISION: processor.image_processor, ImageBackend.PIL: pil_ip},
-        ref_processor={ImageBackend.TORCHVISION: processor,
-                       ImageBackend.PIL: AutoProcessor.from_pretrained(str(path), image_processor=pil_ip)},
-    )
+def case_for(name: str) -> live.Reference:
+    image_processor = {"llava": "CLIPImageProcessor", "llava_next": "LlavaNextImageProcessor"}[name]
+    return live.load_reference(BUNDLES[name], image_processor, FAMILY_CLASSES[name].from_bundle)
 
 
 # ---------------------------------------------------------------- comparison
@@ -162,84 +124,49 @@ def past_bound(name: str, spec: ImageSpec) -> bool:
     return rh * rw > MAX_RESIZED_PIXELS
 
 
-def max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
-    if a.shape != b.shape:
-        return math.nan
-    if np.array_equal(a, b):
-        return 0.0
-    return float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
-
-
-def compare_one(case: Case, backend: ImageBackend, spec: ImageSpec, data: bytes) -> tuple[str, float]:
-    """('equal' | 'refused_past_bound' | a mismatch description, max |diff|)."""
+def compare_one(name: str, backend: ImageBackend, job: live.Job, data: bytes) -> tuple[str, float]:
+    """``pixel_values`` (NeXT: and ``image_sizes``) identical and the token count the processor's
+    ``replace_image_token`` gives; images past LLaVA-1.5's resize bound refused, not run."""
+    case = case_for(name)
     proc = case.families[backend].image
     try:
         decoded = decode_image(data, MAX_DECODE_PIXELS)
         plan = proc.plan(decoded.height, decoded.width)
     except GatewayError as exc:
-        if past_bound(case.name, spec) and exc.code is ErrorCode.IMAGE_ASPECT_RATIO_INVALID:
-            return "refused_past_bound", 0.0
+        if past_bound(name, job.spec) and exc.code is ErrorCode.IMAGE_ASPECT_RATIO_INVALID:
+            return live.REFUSED, 0.0
         return f"mmgate refused ({exc.code}: {exc})", math.nan
-    if past_bound(case.name, spec):
+    if past_bound(name, job.spec):
         return "mmgate accepted an image past the resize bound", math.nan
     batch = assemble(proc, [plan], [proc.preprocess(decoded, plan)])
     ref = case.ref_image[backend](images=[Image.open(io.BytesIO(data))], return_tensors="np")
-    ref_pv, pv = np.asarray(ref["pixel_values"]), batch.tensors["pixel_values"]
-    diff = max_abs_diff(ref_pv, pv)
-    problems = []
-    if ref_pv.shape != pv.shape or ref_pv.dtype != pv.dtype:
-        problems.append(f"pixel_values {pv.dtype}{pv.shape} != reference {ref_pv.dtype}{ref_pv.shape}")
-    elif diff != 0.0:
-        problems.append(f"pixel_values differ: max |diff| {diff:.3g} on {float(np.mean(ref_pv != pv)):.4%} of values")
-    if "image_sizes" in ref:
-        sizes = np.asarray(ref["image_sizes"])
-        if sizes.dtype != batch.tensors["image_sizes"].dtype or not np.array_equal(sizes, batch.tensors["image_sizes"]):
-            problems.append(f"image_sizes {batch.tensors['image_sizes'].tolist()} != reference {sizes.tolist()}")
+    wanted = {k: ref[k] for k in ("pixel_values", "image_sizes") if k in ref}
+    problems, diff = live.tensor_problems(wanted, batch.tensors, same_dtype=("image_sizes",))
     processor = case.ref_processor[backend]
     tokens = len(processor.replace_image_token(ref, 0)) // len(processor.image_token)
     if tokens != plan.num_tokens:
         problems.append(f"{plan.num_tokens} image tokens, reference {tokens}")
-    return ("; ".join(problems) if problems else "equal"), diff
+    return ("; ".join(problems) if problems else live.EQUAL), diff
 
 
-def run_corpus(name: str, backend: ImageBackend, specs: list[ImageSpec]) -> None:
-    case = case_for(name)
-    t0 = time.perf_counter()
-    mismatches: list[str] = []
-    refused: list[ImageSpec] = []
-    worst = 0.0
-    for spec in specs:
-        outcome, diff = compare_one(case, backend, spec, spec.encode())
-        if outcome == "refused_past_bound":
-            refused.append(spec)
-        elif outcome != "equal":
-            mismatches.append(f"{spec.label()}: {outcome}")
-        else:
-            worst = max(worst, diff)
-    print(f"[{name} {backend.value}] {len(specs)} images, max |diff| = {worst}, {len(refused)} refused past the "
-          f"resize bound, {time.perf_counter() - t0:.1f}s")
-    assert not mismatches, (f"seed={SEED} {name} backend={backend.value}: {len(mismatches)} of {len(specs)} images "
-                            "differ from the reference:\n" + "\n".join(mismatches))
-    assert refused == [s for s in specs if past_bound(name, s)]
-    assert worst == 0.0
+def check_results(name: str, backend: ImageBackend, results: list[live.Result]) -> None:
+    """Refused: exactly the images past the resize bound (by arithmetic)."""
+    assert [r.job.spec for r in results if r.outcome == live.REFUSED] == [r.job.spec for r in results
+                                                                      if past_bound(name, r.job.spec)]
 
 
-PARAMS = [pytest.param(name, be, id=f"{name}-{be.value}") for name in BUNDLES for be in BACKENDS]
-
-
-@pytest.mark.parametrize(("name", "backend"), PARAMS)
-def test_pixel_values_and_token_counts_equal_the_reference_on_a_sample(name: str, backend: ImageBackend) -> None:
-    run_corpus(name, backend, sample_specs(SEED % 100_000))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("name", "backend"), PARAMS)
-def test_pixel_values_and_token_counts_equal_the_reference_on_edge_and_random_images(
-        name: str, backend: ImageBackend) -> None:
+def full_corpus(name: str) -> list[live.Job]:
     index = list(BUNDLES).index(name)
     specs = edge_specs(SEED % 100_000 + 1000 * index) + random_specs(np.random.default_rng([SEED, index]), NUM_RANDOM)
     assert sum(s.name == "random" for s in specs) >= 200
-    run_corpus(name, backend, specs)
+    return [live.Job(s) for s in specs]
+
+
+LIVE = live.LiveFamily(
+    label="llava", keys=tuple(BUNDLES), key_id=str, seed=SEED, compare=compare_one, full=full_corpus,
+    sample=lambda name: [live.Job(s) for s in sample_specs(SEED % 100_000)], check_results=check_results,
+)
+PARAMS = [pytest.param(name, be, id=f"{name}-{be.value}") for name in BUNDLES for be in BACKENDS]
 
 
 # ---------------------------------------------------------------- conversations
@@ -252,27 +179,6 @@ CONVERSATIONS = (
     [("user", ["Picture:\n", 0, "\n\nCount the  spaces\t\tand tabs."])],
     [("user", ["Three: ", 0, " / ", 1, " / ", 2]), ("assistant", ["Noted."]), ("user", ["Which is widest?"])],
 )
-
-
-def reference_messages(turns, images) -> list[dict]:
-    return [{"role": role, "content": [{"type": "image", "image": images[p]} if isinstance(p, int)
-                                       else {"type": "text", "text": p} for p in parts]} for role, parts in turns]
-
-
-def template_messages(turns) -> list[dict]:
-    return [{"role": role, "content": [{"type": "image"} if isinstance(p, int) else {"type": "text", "text": p}
-                                       for p in parts]} for role, parts in turns]
-
-
-def whole_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for i, t in enumerate(ids):
-        if t == token:
-            if out and sum(out[-1]) == i:
-                out[-1] = (out[-1][0], out[-1][1] + 1)
-            else:
-                out.append((i, 1))
-    return out
 
 
 def run_conversations(name: str, backend: ImageBackend, count: int, seed: int) -> None:
@@ -291,10 +197,12 @@ def run_conversations(name: str, backend: ImageBackend, count: int, seed: int) -
             specs.append(ImageSpec(w, h, str(rng.choice(("RGB", "RGB", *MODES))), int(rng.integers(0, 2**31))))
         n_images += n
         datas = [s.encode() for s in specs]
-        prompt = processor.apply_chat_template(reference_messages(turns, [Image.open(io.BytesIO(d)) for d in datas]),
+        prompt = processor.apply_chat_template(reference_messages(turns, [Image.open(io.BytesIO(d)) for d in datas],
+                                                                  flatten_text_turns=False),
                                                tokenize=False, add_generation_prompt=True)
         ref = processor(text=prompt, images=[Image.open(io.BytesIO(d)) for d in datas], return_tensors="np")
-        mine = render_chat(case.bundle.chat_template, template_messages(turns), case.tokenizer.special_tokens)
+        mine = render_chat(case.bundle.chat_template, template_messages(turns, flatten_text_turns=False),
+                           case.tokenizer.special_tokens)
         decoded = [decode_image(d, MAX_DECODE_PIXELS) for d in datas]
         plans = [proc.plan(im.height, im.width) for im in decoded]
         ids, ranges = splice_all(case.tokenizer.encode_prompt(mine), {proc.anchor_token_id: [proc.expand(p) for p in plans]})
@@ -304,11 +212,10 @@ def run_conversations(name: str, backend: ImageBackend, count: int, seed: int) -
         if mine != prompt:
             failures.append(f"conversation {k}: rendered prompt differs")
         if ids != ref_ids:
-            first = next((i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), min(len(ids), len(ref_ids)))
-            failures.append(f"conversation {k} [{labels}]: input_ids differ at {first} (len {len(ids)} vs {len(ref_ids)})")
+            failures.append(f"conversation {k} [{labels}]: {live.first_difference(ids, ref_ids)}")
         if [(r.offset, r.length) for r in ranges[proc.anchor_token_id]] != whole_runs(ref_ids, proc.placeholder_token_id):
             failures.append(f"conversation {k} [{labels}]: placeholder ranges are not the <image> runs")
-        if max_abs_diff(np.asarray(ref["pixel_values"]), batch.tensors["pixel_values"]) != 0.0:
+        if live.max_abs_diff(np.asarray(ref["pixel_values"]), batch.tensors["pixel_values"]) != 0.0:
             failures.append(f"conversation {k} [{labels}]: batched pixel_values differ")
         if "image_sizes" in ref and not np.array_equal(ref["image_sizes"], batch.tensors["image_sizes"]):
             failures.append(f"conversation {k} [{labels}]: image_sizes differ")
@@ -347,5 +254,5 @@ def test_a_crop_larger_than_the_resized_image_pads_where_each_backend_pads(backe
         ref = np.asarray(ref_ip(images=[Image.open(io.BytesIO(data))], return_tensors="np")["pixel_values"])[0]
         decoded = decode_image(data, MAX_DECODE_PIXELS)
         plan = proc.plan(decoded.height, decoded.width)
-        assert max_abs_diff(ref, proc.preprocess(decoded, plan)) == 0.0, f"{w}x{h} {backend.value}"
+        assert live.max_abs_diff(ref, proc.preprocess(decoded, plan)) == 0.0, f"{w}x{h} {backend.value}"
         assert plan.num_tokens == (337 // 14) * (301 // 14)

@@ -15,50 +15,35 @@ The corpus is fixed edge sizes plus >= 200 random sizes per family, drawn from
 a seeded RNG; the seed is printed and can be pinned with ``MMGATE_PARITY_SEED``.
 A subset is also rendered into conversations whose expanded ``input_ids`` must
 equal the reference processor's ``apply_chat_template(..., tokenize=True)``.
+
+The corpus comparison itself runs in ``test_live_parity.py`` (one test for every family, over
+this module's ``LIVE``: cases, corpora, ``compare_one``, ``check_results``; the loop is
+``live_support.run_live``); the conversation tests and the checks only this family has are here.
 """
 
 from __future__ import annotations
 
 import io
 import math
-import os
-import secrets
-import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
+import live_support as live
+from parity_support import QWEN_VL_BUNDLES, ImageSpec, openai_messages, reference_messages, splice_anchors
 from PIL import Image
-
-from parity_support import (
-    MODES,
-    QWEN_VL_BUNDLES,
-    ImageSpec,
-    find_bundle_dir,
-    openai_messages,
-    reference_messages,
-    splice_anchors,
-)
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("torchvision")
 
 from mmgate.chat.template import render_chat  # noqa: E402
-from mmgate.chat.tokenizer import load_tokenizer  # noqa: E402
 from mmgate.errors import ErrorCode, GatewayError  # noqa: E402
 from mmgate.media.image import decode_image  # noqa: E402
-from mmgate.models.bundle import load_bundle  # noqa: E402
-from mmgate.models.family import assemble
-from mmgate.models.registry import load_family  # noqa: E402
+from mmgate.models.family import assemble  # noqa: E402
 from mmgate.settings import FetchSettings, ImageBackend  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-SEED = int(os.environ.get("MMGATE_PARITY_SEED") or secrets.randbits(32))
-print(f"\n[qwen-vl live parity] seed={SEED} (rerun with MMGATE_PARITY_SEED={SEED})")
+SEED = live.live_seed("qwen-vl")
 
 NUM_RANDOM = 200  # random sizes per family per run, on top of the edge sizes
 NUM_LARGE = 3  # of which with sides 1200..2000
@@ -87,17 +72,12 @@ def edge_specs(factor: int, min_pixels: int, max_pixels: int, seed: int) -> list
     big = math.isqrt(max_pixels)  # above max_pixels: downscaled to <= max_pixels
     sizes += [(big + big // 10, big)]
     specs = [ImageSpec(w, h, "RGB", seed + i, name="edge") for i, (w, h) in enumerate(sizes)]
-    for j, mode in enumerate(MODES):  # every mode at an off-grid size
-        specs.append(ImageSpec(f + 3 + j, 2 * f + 5, mode, seed + 100 + j, name="mode"))
-        specs.append(ImageSpec(97 + 7 * j, 61, mode, seed + 200 + j, name="mode"))
-    specs += [ImageSpec(f + 1, f - 1, m, seed + 300 + k, "JPEG", name="jpeg") for k, m in enumerate(("RGB", "L"))]
-    return specs
+    return specs + live.mode_specs(seed, lambda j: (f + 3 + j, 2 * f + 5), lambda j: (97 + 7 * j, 61), (f + 1, f - 1))
 
 
 def random_specs(rng: np.random.Generator, count: int, large: int) -> list[ImageSpec]:
     """``count`` random sizes: log-uniform sides 1..1200 (aspect <= 200), ``large`` of them 1200..2000."""
     specs: list[ImageSpec] = []
-    modes = ("RGB",) * 6 + MODES
     while len(specs) < count:
         if len(specs) < large:
             w, h = (int(v) for v in rng.integers(1200, 2001, size=2))
@@ -105,133 +85,68 @@ def random_specs(rng: np.random.Generator, count: int, large: int) -> list[Image
             w, h = (int(round(math.exp(v))) for v in rng.uniform(0.0, math.log(1200), size=2))
         if max(w, h) / min(w, h) > 200:
             continue
-        mode = str(rng.choice(modes))
-        fmt = "JPEG" if mode in ("RGB", "L") and rng.random() < 0.2 else "PNG"
-        specs.append(ImageSpec(w, h, mode, int(rng.integers(0, 2**31)), fmt, name="random"))
+        specs.append(live.random_spec(rng, w, h))
     return specs
 
 
-@dataclass
-class FamilyCase:
-    """One bundle with its mmgate families, reference processors and corpus."""
-
-    folder: str
-    bundle: object
-    tokenizer: object
-    families: dict
-    ref_image: dict  # backend -> reference image processor
-    ref_processor: dict  # backend -> reference processor (for apply_chat_template)
-    corpus: list  # [(ImageSpec, bytes)]
+_CASES: dict[str, tuple[live.Reference, list[tuple[ImageSpec, bytes]]]] = {}
 
 
-_CASES: dict[str, FamilyCase] = {}
-
-
-def family_case(folder: str) -> FamilyCase:
+def family_case(folder: str) -> tuple[live.Reference, list[tuple[ImageSpec, bytes]]]:
+    """The bundle's references and its corpus (edge + random sizes), encoded once for every test."""
     if folder in _CASES:
         return _CASES[folder]
-    path = find_bundle_dir(folder)
-    if path is None:
-        pytest.skip(f"model bundle {folder} not on MMGATE_MODEL_PATH / ../shared/models")
-    from transformers import AutoImageProcessor, AutoProcessor
-
-    bundle = load_bundle(Path(path))
-    tok = load_tokenizer(bundle)
-    families = {be: load_family(bundle, tok, be) for be in BACKENDS}
-    processor = AutoProcessor.from_pretrained(str(path))
-    pil_ip = AutoImageProcessor.from_pretrained(str(path), backend="pil")
-    assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessor"
-    assert type(pil_ip).__name__ == "Qwen2VLImageProcessorPil"
-    ip = processor.image_processor
+    ref = live.load_reference(folder, "Qwen2VLImageProcessor")
+    ip = ref.ref_image[ImageBackend.TORCHVISION]
     factor = ip.patch_size * ip.merge_size
     index = QWEN_VL_BUNDLES.index(folder)
     rng = np.random.default_rng([SEED, index])
     specs = edge_specs(factor, ip.size["shortest_edge"], ip.size["longest_edge"], SEED % 100_000 + 1000 * index)
     specs += random_specs(rng, NUM_RANDOM, NUM_LARGE)
-    corpus = [(s, s.encode()) for s in specs]
-    case = FamilyCase(
-        folder=folder, bundle=bundle, tokenizer=tok, families=families,
-        ref_image={ImageBackend.TORCHVISION: ip, ImageBackend.PIL: pil_ip},
-        ref_processor={ImageBackend.TORCHVISION: processor,
-                       ImageBackend.PIL: AutoProcessor.from_pretrained(str(path), image_processor=pil_ip)},
-        corpus=corpus,
-    )
-    _CASES[folder] = case
-    return case
+    _CASES[folder] = (ref, [(s, s.encode()) for s in specs])
+    return _CASES[folder]
 
 
-# ---------------------------------------------------------------- comparison
+# ---------------------------------------------------------------- comparison (test_live_parity.py runs it)
 
 
-def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
-    """max |a - b| (0.0 for identical arrays, NaN for different shapes)."""
-    if a.shape != b.shape:
-        return math.nan
-    if np.array_equal(a, b):
-        return 0.0
-    return float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
-
-
-def compare_one(case: FamilyCase, backend: ImageBackend, spec: ImageSpec, data: bytes) -> tuple[str, float]:
-    """('equal' | 'both_refused' | a mismatch description, max |diff|)."""
+def compare_one(folder: str, backend: ImageBackend, job: live.Job, data: bytes) -> tuple[str, float]:
+    """``pixel_values`` and ``image_grid_thw`` identical, or both refuse (aspect ratio > 200)."""
+    ref, _ = family_case(folder)
     ref_error: Exception | None = None
     try:
-        ref = case.ref_image[backend](images=[Image.open(io.BytesIO(data))], return_tensors="np")
+        out = ref.ref_image[backend](images=[Image.open(io.BytesIO(data))], return_tensors="np")
     except ValueError as exc:
         ref_error = exc
-    family = case.families[backend]
+    family = ref.families[backend]
     try:
         decoded = decode_image(data, MAX_DECODE_PIXELS)
         plan = family.image.plan(decoded.height, decoded.width)
         batch = assemble(family.image, [plan], [family.image.preprocess(decoded, plan)])
     except GatewayError as exc:
         if ref_error is not None and exc.code is ErrorCode.IMAGE_ASPECT_RATIO_INVALID:
-            return "both_refused", 0.0
+            return live.REFUSED, 0.0
         return f"mmgate refused ({exc.code}: {exc}), reference {'refused: ' + str(ref_error) if ref_error else 'accepted'}", math.nan
     if ref_error is not None:
         return f"reference refused ({ref_error}), mmgate accepted", math.nan
-    ref_pv, ref_grid = np.asarray(ref["pixel_values"]), np.asarray(ref["image_grid_thw"])
-    pv, grid = batch.tensors["pixel_values"], batch.tensors["image_grid_thw"]
-    diff = _max_abs_diff(ref_pv, pv)
-    problems = []
-    if ref_pv.shape != pv.shape or ref_pv.dtype != pv.dtype:
-        problems.append(f"pixel_values {pv.dtype}{pv.shape} != reference {ref_pv.dtype}{ref_pv.shape}")
-    if not np.array_equal(ref_grid, grid):
-        problems.append(f"image_grid_thw {grid.tolist()} != reference {ref_grid.tolist()}")
-    if not problems and not np.array_equal(ref_pv, pv):
-        frac = float(np.mean(ref_pv != pv))
-        problems.append(f"pixel_values differ: max |diff| {diff:.3g} on {frac:.4%} of values")
-    return ("; ".join(problems) if problems else "equal"), diff
+    problems, diff = live.tensor_problems(
+        {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}, batch.tensors)
+    return ("; ".join(problems) if problems else live.EQUAL), diff
 
 
-def _param_ids():
-    return [pytest.param(folder, be, id=f"{folder.split('--')[1]}-{be.value}") for folder in QWEN_VL_BUNDLES for be in BACKENDS]
+def check_results(folder: str, backend: ImageBackend, results: list[live.Result]) -> None:
+    """Every size with max/min side ratio > 200 (arithmetic on the spec) and only those are refused."""
+    _, corpus = family_case(folder)
+    expected_refused = [s for s, _ in corpus if max(s.width, s.height) / min(s.width, s.height) > 200]
+    assert [r.job.spec for r in results if r.outcome == live.REFUSED] == expected_refused
+    assert len(corpus) >= NUM_RANDOM + 40
 
 
-@pytest.mark.parametrize(("folder", "backend"), _param_ids())
-def test_pixel_values_and_grid_equal_the_reference_on_edge_and_random_images(folder: str, backend: ImageBackend) -> None:
-    case = family_case(folder)
-    t0 = time.perf_counter()
-    mismatches: list[str] = []
-    refused: list[ImageSpec] = []
-    worst = 0.0
-    for spec, data in case.corpus:
-        outcome, diff = compare_one(case, backend, spec, data)
-        if outcome == "both_refused":
-            refused.append(spec)
-        elif outcome != "equal":
-            mismatches.append(f"{spec.label()}: {outcome}")
-        elif diff > worst:
-            worst = diff
-    # every size with max/min side ratio > 200 (arithmetic on the spec) and only those are refused
-    expected_refused = [s for s, _ in case.corpus if max(s.width, s.height) / min(s.width, s.height) > 200]
-    print(f"[{folder} {backend.value}] {len(case.corpus)} images, max |diff| = {worst}, "
-          f"{len(refused)} refused by both, {time.perf_counter() - t0:.1f}s")
-    assert not mismatches, (f"seed={SEED} {folder} backend={backend.value}: {len(mismatches)} of {len(case.corpus)} "
-                            "images differ from the reference:\n" + "\n".join(mismatches))
-    assert refused == expected_refused
-    assert len(case.corpus) >= NUM_RANDOM + 40
-    assert worst == 0.0
+LIVE = live.LiveFamily(
+    label="qwen-vl", keys=QWEN_VL_BUNDLES, key_id=lambda folder: folder.split("--")[1], seed=SEED,
+    compare=compare_one, full=lambda folder: [live.Job(s, {}, d) for s, d in family_case(folder)[1]], sample=None,
+    check_results=check_results,
+)
 
 
 # ---------------------------------------------------------------- conversations
@@ -245,12 +160,15 @@ CONVERSATIONS = (
 )
 
 
-@pytest.mark.parametrize(("folder", "backend"), _param_ids())
+PARAMS = [pytest.param(folder, be, id=f"{folder.split('--')[1]}-{be.value}") for folder in QWEN_VL_BUNDLES for be in BACKENDS]
+
+
+@pytest.mark.parametrize(("folder", "backend"), PARAMS)
 def test_expanded_input_ids_equal_the_reference_chat_template(folder: str, backend: ImageBackend) -> None:
-    case = family_case(folder)
+    case, corpus = family_case(folder)
     family = case.families[backend]
     processor = case.ref_processor[backend]
-    pool = [(s, d) for s, d in case.corpus
+    pool = [(s, d) for s, d in corpus
             if s.name == "random" and s.width * s.height <= 400_000][:24]
     failures: list[str] = []
     n_images = 0
@@ -273,9 +191,7 @@ def test_expanded_input_ids_equal_the_reference_chat_template(folder: str, backe
                              [family.image.expand(pl).token_ids for pl in plans])
         ref_ids = ref["input_ids"][0].tolist()
         if ids != ref_ids:
-            first = next((i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), min(len(ids), len(ref_ids)))
-            failures.append(f"conversation {k} [{labels}]: input_ids differ at {first} "
-                            f"(len {len(ids)} vs reference {len(ref_ids)})")
+            failures.append(f"conversation {k} [{labels}]: {live.first_difference(ids, ref_ids)}")
         if not np.array_equal(batch.tensors["image_grid_thw"], ref["image_grid_thw"]):
             failures.append(f"conversation {k} [{labels}]: image_grid_thw differs")
         if not np.array_equal(batch.tensors["pixel_values"], ref["pixel_values"]):
@@ -302,12 +218,12 @@ def test_pillow_and_torch_bicubic_resizes_disagree_so_each_backend_needs_its_own
     from transformers.image_transforms import convert_to_rgb
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
-    case = family_case(QWEN_VL_BUNDLES[0])
+    case, corpus = family_case(QWEN_VL_BUNDLES[0])
     ip = case.ref_image[ImageBackend.TORCHVISION]
     factor = ip.patch_size * ip.merge_size
     values = differing = above_one = worst = 0
     per_image: list[float] = []
-    for spec, data in case.corpus:
+    for spec, data in corpus:
         if max(spec.width, spec.height) / min(spec.width, spec.height) > 200 or spec.width * spec.height > 4_000_000:
             continue
         rgb = convert_to_rgb(Image.open(io.BytesIO(data)), return_numpy=True)
