@@ -1,6 +1,6 @@
 """``mmgate serve | engine | sidecar | demo``.
 
-* ``serve``: the OpenAI-compatible gateway (flags in :mod:`mmgate.settings`; ``--workers N``:
+* ``serve``: the OpenAI-compatible gateway (flags in :mod:`mmgate.config.settings`; ``--workers N``:
   N gateway processes on one port, :mod:`mmgate.api.multiproc`).
 * ``engine``: the CPU reference engine (:mod:`mmgate.refengine`).
 * ``sidecar``: the Redis media-processing sidecar (:mod:`mmgate.sidecar`).
@@ -30,7 +30,7 @@ def serve(argv: Sequence[str]) -> int:
     Returns 0 after a clean stop, 1 when the server did not start (port taken) or, with ``--workers``,
     every process was taken out of rotation for dying too often, 2 on a bad model.
     """
-    from mmgate.settings import parse_settings
+    from mmgate.config.settings import parse_settings
 
     settings = parse_settings(argv, os.environ)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

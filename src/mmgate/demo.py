@@ -23,7 +23,7 @@ import httpx
 from PIL import Image, ImageDraw
 
 from mmgate.launch import start_engine, start_gateway
-from mmgate.settings import ENV_MODEL_PATH, split_search_path
+from mmgate.config.settings import ENV_MODEL_PATH, split_search_path
 
 
 def default_search_path() -> list[Path]:

@@ -63,7 +63,7 @@ from mmgate.planning import (
 from mmgate.request.protocol import ChatCompletionRequest, TextPart
 from mmgate.request.structured import request_constraint, template_tools
 from mmgate.runtime import ModelRuntime
-from mmgate.settings import Settings
+from mmgate.config.settings import Settings
 from mmgate.transport.limits import (
     element_bytes,
     encoder_bytes_limit,

@@ -29,7 +29,7 @@ from mmgate.chat.template import content_format
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.fetch import check_scheme
 from mmgate.models.family import processor
-from mmgate.settings import Settings
+from mmgate.config.settings import Settings
 from mmgate.types import ItemHints, MediaRef, Modality, PlaceholderRange, Replacement
 
 if TYPE_CHECKING:

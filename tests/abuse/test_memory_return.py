@@ -36,7 +36,7 @@ from mmgate import memory
 from mmgate.gateway.state import GatewayState, build_state
 from mmgate.launch import start_gateway
 from mmgate.memory import IdleTrimmer
-from mmgate.settings import Settings
+from mmgate.config.settings import Settings
 from tests.abuse.support import (
     DEFAULT_MODEL,
     HealthWatch,

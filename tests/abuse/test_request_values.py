@@ -28,7 +28,7 @@ from mmgate.errors import GatewayError
 from mmgate.models.bundle import load_bundle
 from mmgate.runtime import ModelRuntime
 from mmgate.planning import plan_request
-from mmgate.settings import Settings
+from mmgate.config.settings import Settings
 from mmgate.types import SamplingParams
 from tests.abuse.support import HealthWatch, Stack, after_attack, chat_body, running_stack, shm_segments
 from tests.conftest import bundle_dir

@@ -25,7 +25,7 @@ import pytest
 from PIL import Image
 
 from mmgate.launch import Child, start_engine, start_gateway
-from mmgate.settings import parse_settings
+from mmgate.config.settings import parse_settings
 from tests.conftest import REPO, bundle_dir
 from tests.video.video_support import ClipSpec, make_clip
 
@@ -294,7 +294,7 @@ def test_tensors_sent_through_shared_memory_are_logged_as_shm_writes(caplog: pyt
     from mmgate.gateway.state import build_state
     from mmgate.request.parse import parse_chat_request
     from mmgate.engines.vllm import encode_generate_request
-    from mmgate.settings import Settings
+    from mmgate.config.settings import Settings
     from mmgate.transport.dtypes import EncoderDtype
     from mmgate.transport.policy import WirePlan
     from mmgate.transport.shm import ShmLease

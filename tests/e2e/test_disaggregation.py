@@ -44,7 +44,7 @@ from mmgate.routing.disagg import (
     pick_encoder,
 )
 from mmgate.routing.workers import Worker, WorkerRegistry
-from mmgate.settings import MmProcessing, parse_settings
+from mmgate.config.settings import MmProcessing, parse_settings
 from tests.conftest import bundle_dir
 
 QWEN2_5 = "Qwen/Qwen2.5-VL-7B-Instruct"

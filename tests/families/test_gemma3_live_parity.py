@@ -57,7 +57,7 @@ from mmgate.media.image import decode_image
 from mmgate.models.bundle import load_bundle
 from mmgate.models.family import assemble
 from mmgate.models.registry import load_family
-from mmgate.settings import FetchSettings, ImageBackend
+from mmgate.config.settings import FetchSettings, ImageBackend
 from mmgate.types import ItemHints
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

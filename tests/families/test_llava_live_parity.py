@@ -52,7 +52,7 @@ from mmgate.models.family import assemble
 from mmgate.models.llava import MAX_RESIZED_PIXELS, LlavaFamily, shortest_edge_size
 from mmgate.models.llava_next import LlavaNextFamily
 from mmgate.planning import splice_all
-from mmgate.settings import FetchSettings, ImageBackend
+from mmgate.config.settings import FetchSettings, ImageBackend
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -37,7 +37,7 @@ from mmgate.launch import free_port
 from mmgate.media.data_url import decode_data_url
 from mmgate.media.image import decode_image
 from mmgate.models.qwen_vl import QwenVLFamily, QwenVLImage, image_params_from_config
-from mmgate.settings import FetchSettings, ImageBackend, Settings
+from mmgate.config.settings import FetchSettings, ImageBackend, Settings
 from tests.conftest import bundle_dir
 from tests.support.servers import gateway_in_thread
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from mmgate.launch import free_port
-from mmgate.settings import Settings
+from mmgate.config.settings import Settings
 from tests.conftest import bundle_dir
 from tests.media.gateways import RoutedResolver, ssrf_gateway
 from tests.media.hostile_urls import LOOPBACK_HOSTS, NON_PUBLIC_URLS

@@ -23,7 +23,7 @@ from PIL import Image
 
 from mmgate.budget import InflightBudget
 from mmgate.errors import ErrorCode, GatewayError
-from mmgate.settings import FetchSettings, Settings, TensorTransport, TransportSettings
+from mmgate.config.settings import FetchSettings, Settings, TensorTransport, TransportSettings
 from mmgate.transport.dtypes import EncoderDtype, to_bfloat16_bits, to_float16
 from mmgate.transport.shm import PREFIX, SHM_DIR
 from tests.conftest import bundle_dir
@@ -250,7 +250,7 @@ def test_budget_grants_in_order_as_bytes_are_released() -> None:
 
 
 def test_unbounded_budget_and_zero_budget_refused_at_start_up() -> None:
-    from mmgate.settings import parse_settings
+    from mmgate.config.settings import parse_settings
 
     assert parse_settings(["--model", "m"], {}).transport.max_inflight_bytes is None
     with pytest.raises(SystemExit):

@@ -24,7 +24,7 @@ from mmgate.request.parse import parse_chat_request
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.launch import free_port
 from mmgate.pipeline import Pipeline
-from mmgate.settings import FetchSettings, FrameSampling, Settings, VideoSettings
+from mmgate.config.settings import FetchSettings, FrameSampling, Settings, VideoSettings
 from tests.conftest import bundle_dir
 from tests.support.servers import gateway_in_thread, media_origin
 from tests.video.video_support import QWEN2_5, QWEN3, data_url, loopback_gateway, pipeline, video_part

@@ -44,7 +44,7 @@ from mmgate.models.bundle import load_bundle
 from mmgate.models.registry import load_family
 from mmgate.pipeline import Pipeline
 from mmgate.runtime import ModelRuntime
-from mmgate.settings import FetchSettings, FrameSampling, ImageBackend, Settings, VideoSettings
+from mmgate.config.settings import FetchSettings, FrameSampling, ImageBackend, Settings, VideoSettings
 from mmgate.types import PreparedRequest
 from tests.conftest import bundle_dir
 from tests.support.servers import gateway_in_thread

@@ -22,7 +22,7 @@ from starlette.requests import ClientDisconnect
 from mmgate import metrics
 from mmgate.api.responses import EngineStreamingResponse
 from mmgate.errors import ErrorCode, GatewayError
-from mmgate.settings import HttpSettings, Settings
+from mmgate.config.settings import HttpSettings, Settings
 
 if TYPE_CHECKING:
     from mmgate.gateway.state import GatewayState

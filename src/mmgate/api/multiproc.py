@@ -1,6 +1,6 @@
 """``mmgate serve --workers N``: N full gateway processes serving one port.
 
-Stage: process management, before any request.  In: the parsed :class:`~mmgate.settings.Settings`
+Stage: process management, before any request.  In: the parsed :class:`~mmgate.config.settings.Settings`
 and the ``serve`` argument list; out: N child processes, each a complete gateway (``build_state`` +
 ``create_app`` + uvicorn) on its own ``SO_REUSEPORT`` listening socket of the same address, so the
 kernel spreads new connections over them.  ``--workers 1`` (the default) never comes here:
@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from mmgate.settings import Settings
+from mmgate.config.settings import Settings
 from mmgate.transport.shm import pid_alive
 
 log = logging.getLogger("mmgate.multiproc")

@@ -1,4 +1,4 @@
-"""The gateway's state: everything a running gateway holds, built once from :class:`~mmgate.settings.Settings`.
+"""The gateway's state: everything a running gateway holds, built once from :class:`~mmgate.config.settings.Settings`.
 
 Stage: start-up.  In: the parsed settings; out: a :class:`GatewayState` (the served model's runtime, the
 pipeline, the worker registry, the media fetcher, the preprocessing pool, the in-flight budget).  Below
@@ -25,7 +25,7 @@ from mmgate.models.registry import load_family
 from mmgate.pipeline import Pipeline
 from mmgate.routing.workers import WorkerRegistry
 from mmgate.runtime import ModelRuntime
-from mmgate.settings import ImageBackend, Settings
+from mmgate.config.settings import ImageBackend, Settings
 from mmgate.transport.shm import sweep_dead_segments
 
 log = logging.getLogger("mmgate.api")

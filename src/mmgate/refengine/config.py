@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mmgate.engines.base import Role, Wire
-from mmgate.options import add_option, resolve
+from mmgate.config.options import add_option, resolve
 from mmgate.refengine.mm_config import MmProcessorConfig, add_mm_arguments, mm_config
-from mmgate.settings import ENCODER_DTYPES
+from mmgate.config.settings import ENCODER_DTYPES
 
 
 @dataclass(frozen=True, slots=True)

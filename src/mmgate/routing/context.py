@@ -14,7 +14,7 @@ from mmgate.budget import InflightBudget
 from mmgate.pipeline import Pipeline
 from mmgate.routing.workers import WorkerRegistry
 from mmgate.runtime import ModelRuntime
-from mmgate.settings import Settings
+from mmgate.config.settings import Settings
 
 
 class DispatchContext(Protocol):

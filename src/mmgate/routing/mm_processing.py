@@ -41,7 +41,7 @@ from mmgate.models.family import Family, processor
 from mmgate.request.protocol import ChatCompletionRequest, ImagePart, TextPart, VideoPart
 from mmgate.routing.workers import Worker, WorkerRegistry
 from mmgate.runtime import ModelRuntime
-from mmgate.settings import FetchSettings, MmProcessing, Settings
+from mmgate.config.settings import FetchSettings, MmProcessing, Settings
 from mmgate.types import MediaRef, Modality
 
 PROCESSOR_LABEL = "mm_processor"

@@ -51,7 +51,7 @@ from mmgate.errors import ErrorCode, GatewayError
 from mmgate.types import Modality
 
 if TYPE_CHECKING:
-    from mmgate.settings import KeepaliveSettings, Settings
+    from mmgate.config.settings import KeepaliveSettings, Settings
 
 log = logging.getLogger("mmgate.routing")
 

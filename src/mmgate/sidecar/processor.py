@@ -35,7 +35,7 @@ from mmgate.models.registry import load_family
 from mmgate.pipeline import Pipeline
 from mmgate.runtime import ModelRuntime
 from mmgate.planning import RequestPlan
-from mmgate.settings import Settings
+from mmgate.config.settings import Settings
 from mmgate.sidecar.config import ProcessingConfig
 from mmgate.sidecar.protocol import SCHEMA_VERSION
 from mmgate.types import EncoderBatch, MediaRef, Modality

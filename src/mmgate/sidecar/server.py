@@ -42,8 +42,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from mmgate.errors import GatewayError
-from mmgate.options import add_option
-from mmgate.settings import ENV_MODEL_PATH, split_search_path
+from mmgate.config.options import add_option
+from mmgate.config.settings import ENV_MODEL_PATH, split_search_path
 from mmgate.sidecar.config import ProcessingConfig, add_processing_arguments, processing_config
 from mmgate.sidecar.processor import MediaProcessor, item_index, load_runtime, refs_from_items
 from mmgate.sidecar.protocol import (

@@ -2,14 +2,14 @@
 
 ``parse_settings(argv, environ)`` returns a frozen :class:`Settings` that is
 passed down explicitly; no other module reads the environment.  Precedence:
-flag, then environment variable, then built-in default (:mod:`mmgate.options`
+flag, then environment variable, then built-in default (:mod:`mmgate.config.options`
 resolves it; a deprecated variable warns once, an unreadable one stops start-up).
 
 The media-intake and video option groups (:func:`add_media_options`,
 :func:`add_video_options`) are defined here once and used by ``mmgate engine``
 and ``mmgate sidecar`` as well (:mod:`mmgate.sidecar.config`).  ``--help``
 groups every option by topic; docs/configuration.md is rendered from these
-definitions (:mod:`mmgate.config_docs`).
+definitions (:mod:`mmgate.config.docs`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from mmgate.options import add_option, resolve
+from mmgate.config.options import add_option, resolve
 
 
 class ImageBackend(StrEnum):
@@ -121,7 +121,7 @@ def add_media_options(parser: argparse.ArgumentParser) -> None:
 
     Reference image backend, per-request item limits, fetch policy and limits,
     per-modality byte caps and image decoding (docs/media-intake.md).  Read back,
-    after :func:`mmgate.options.resolve`, with :func:`fetch_settings`,
+    after :func:`mmgate.config.options.resolve`, with :func:`fetch_settings`,
     :func:`item_limits` and ``ImageBackend(ns.image_backend)``.
     """
     g = parser.add_argument_group(GROUP_MEDIA)
@@ -348,7 +348,7 @@ def tokenspeed_encoder_dtypes(environ: Mapping[str, str]) -> tuple[tuple[str, st
 
 def _transport_settings(ns: argparse.Namespace, environ: Mapping[str, str]) -> TransportSettings:
     """The :class:`TransportSettings` of a resolved ``mmgate serve`` namespace (bounds checked by
-    :func:`mmgate.options.resolve`) and the environment's TokenSpeed dtype overrides.
+    :func:`mmgate.config.options.resolve`) and the environment's TokenSpeed dtype overrides.
 
     Raises:
         SystemExit: an unreadable TokenSpeed dtype override.
