@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mmgate import metrics
+from mmgate.observe import metrics
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.memory import IdleTrimmer
 

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from mmgate import metrics, timing_log
+from mmgate.observe import metrics, timing_log
 from mmgate.cache import PixelCache
 from mmgate.chat.template import render_chat
 from mmgate.errors import ErrorCode, GatewayError

@@ -290,7 +290,7 @@ def test_tensors_sent_through_shared_memory_are_logged_as_shm_writes(caplog: pyt
 
     from transformers import AutoProcessor
 
-    from mmgate import timing_log
+    from mmgate.observe import timing_log
     from mmgate.gateway.state import build_state
     from mmgate.request.parse import parse_chat_request
     from mmgate.engines.vllm import encode_generate_request
@@ -330,7 +330,7 @@ def test_tensors_sent_through_shared_memory_are_logged_as_shm_writes(caplog: pyt
 def test_budget_refusals_count_under_smg_admission_reasons() -> None:
     import asyncio
 
-    from mmgate import metrics
+    from mmgate.observe import metrics
     from mmgate.budget import InflightBudget
     from mmgate.errors import ErrorCode, GatewayError
 

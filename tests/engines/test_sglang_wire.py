@@ -25,7 +25,7 @@ import pytest
 import torch
 from PIL import Image
 
-from mmgate import metrics
+from mmgate.observe import metrics
 from mmgate.request.parse import parse_chat_request
 from mmgate.engines.base import Bootstrap, Role
 from mmgate.engines.sglang import (

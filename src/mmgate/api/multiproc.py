@@ -318,8 +318,8 @@ def publish_quarantined(metrics_dir: str, count: int) -> None:
         return
     from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
-    from mmgate.metrics import SERVE_CHILDREN_QUARANTINED_HELP as HELP
-    from mmgate.metrics import SERVE_CHILDREN_QUARANTINED_NAME as NAME
+    from mmgate.observe.metrics import SERVE_CHILDREN_QUARANTINED_HELP as HELP
+    from mmgate.observe.metrics import SERVE_CHILDREN_QUARANTINED_NAME as NAME
 
     values = MmapedDict(str(Path(metrics_dir) / f"gauge_max_{os.getpid()}.db"))
     try:

@@ -421,7 +421,7 @@ class Settings:
     preprocess_threads: int = 0  # 0: os.cpu_count()
     max_request_body_bytes: int = 0  # 0: derived from the per-item byte caps (api.app.body_limit_for)
     log_level: str = "info"
-    log_mm_timing: bool = False  # one smg_mm_timing INFO line per media request (mmgate.timing_log)
+    log_mm_timing: bool = False  # one smg_mm_timing INFO line per media request (mmgate.observe.timing_log)
     worker_health_interval_s: float = 5.0  # seconds between worker health probes (routing.workers.HealthPolicy)
     worker_health_timeout_s: float = 2.0  # deadline of one health probe RPC
     worker_unhealthy_after: int = 3  # consecutive failed probes (busy timeouts excluded) before a worker is unhealthy

@@ -37,7 +37,7 @@ from smg_grpc_proto.generated import (
     vllm_engine_pb2,
 )
 
-from mmgate import metrics
+from mmgate.observe import metrics
 from mmgate.engines import sglang, tokenspeed, vllm
 from mmgate.engines.base import Bootstrap, EncodedRequest, EngineEvent, Role, Wire
 from mmgate.engines.probe import SERVICES

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
-from mmgate import metrics, timing_log
+from mmgate.observe import metrics, timing_log
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.routing.dispatch import Dispatcher, EngineAnswer, Tally, finish
 from mmgate.routing.mm_processing import (

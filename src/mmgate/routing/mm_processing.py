@@ -34,7 +34,7 @@ from enum import StrEnum
 
 import msgspec
 
-from mmgate import metrics
+from mmgate.observe import metrics
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.fetch import url_scheme
 from mmgate.models.family import Family, processor
