@@ -37,8 +37,8 @@ from mmgate.media.fetch import MediaFetcher
 from mmgate.models.bundle import load_bundle
 from mmgate.models.geometry import resolve_backend
 from mmgate.models.registry import load_family
-from mmgate.pipeline import Pipeline
-from mmgate.runtime import ModelRuntime
+from mmgate.pipeline.prepare import Pipeline
+from mmgate.pipeline.runtime import ModelRuntime
 from mmgate.config.settings import ImageBackend, Settings
 
 bundle_dir, width, height, min_time, backend = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]

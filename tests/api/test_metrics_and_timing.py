@@ -331,7 +331,7 @@ def test_budget_refusals_count_under_smg_admission_reasons() -> None:
     import asyncio
 
     from mmgate.observe import metrics
-    from mmgate.budget import InflightBudget
+    from mmgate.pipeline.budget import InflightBudget
     from mmgate.errors import ErrorCode, GatewayError
 
     def value() -> float:

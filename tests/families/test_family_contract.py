@@ -136,10 +136,10 @@ def test_pixel_cache_hit_equals_miss(model_type: str) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from mmgate.request.parse import parse_chat_request
-    from mmgate.cache import PixelCache
+    from mmgate.pipeline.cache import PixelCache
     from mmgate.media.fetch import MediaFetcher
-    from mmgate.pipeline import Pipeline
-    from mmgate.runtime import ModelRuntime
+    from mmgate.pipeline.prepare import Pipeline
+    from mmgate.pipeline.runtime import ModelRuntime
     from mmgate.config.settings import Settings
 
     family, entry = family_for(model_type, BACKENDS[0])

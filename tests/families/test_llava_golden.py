@@ -10,7 +10,7 @@ probe values, ``image_sizes``, the geometry and the token count must match the r
 Prompts: the chat template rendered by mmgate (``{"type": "image"}`` parts, as the planner
 passes them), tokenized by ``BundleTokenizer.encode_prompt`` (which adds the one BOS the
 processor's tokenizer call adds), each ``<image>`` anchor spliced with ``expand(plan)``
-(``mmgate.planning.splice_all``) must give the reference ids
+(``mmgate.pipeline.planning.splice_all``) must give the reference ids
 (``processor(text=apply_chat_template(..., tokenize=False), images=...)``), and every
 placeholder range must be exactly its ``<image>`` run (vLLM's ``PromptReplacement`` for both).
 
@@ -52,7 +52,7 @@ from mmgate.models.llava_next import (
     unpadded_features,
 )
 from mmgate.models.registry import FAMILY_BY_MODEL_TYPE, load_family
-from mmgate.planning import splice_all
+from mmgate.pipeline.planning import splice_all
 from mmgate.config.settings import FetchSettings, ImageBackend
 from mmgate.types import ItemHints, Modality, TensorLayout
 

@@ -51,7 +51,7 @@ from mmgate.models.bundle import load_bundle
 from mmgate.models.family import assemble
 from mmgate.models.llava import MAX_RESIZED_PIXELS, LlavaFamily, shortest_edge_size
 from mmgate.models.llava_next import LlavaNextFamily
-from mmgate.planning import splice_all
+from mmgate.pipeline.planning import splice_all
 from mmgate.config.settings import FetchSettings, ImageBackend
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

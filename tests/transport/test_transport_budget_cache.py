@@ -21,7 +21,7 @@ import pytest
 import torch
 from PIL import Image
 
-from mmgate.budget import InflightBudget
+from mmgate.pipeline.budget import InflightBudget
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.config.settings import FetchSettings, Settings, TensorTransport, TransportSettings
 from mmgate.transport.dtypes import EncoderDtype, to_bfloat16_bits, to_float16

@@ -42,8 +42,8 @@ from mmgate.launch import free_port
 from mmgate.media.fetch import MediaFetcher
 from mmgate.models.bundle import load_bundle
 from mmgate.models.registry import load_family
-from mmgate.pipeline import Pipeline
-from mmgate.runtime import ModelRuntime
+from mmgate.pipeline.prepare import Pipeline
+from mmgate.pipeline.runtime import ModelRuntime
 from mmgate.config.settings import FetchSettings, FrameSampling, ImageBackend, Settings, VideoSettings
 from mmgate.types import PreparedRequest
 from tests.conftest import bundle_dir

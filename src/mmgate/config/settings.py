@@ -408,7 +408,7 @@ class Settings:
     image_backend: ImageBackend = ImageBackend.AUTO
     item_limits: Mapping[str, int] = field(default_factory=dict)  # per-modality overrides
     default_max_tokens: int = 64
-    max_model_len: int = 0  # context length in tokens; 0: from the bundle's config (mmgate.pipeline.context_length)
+    max_model_len: int = 0  # context length in tokens; 0: from the bundle's config (mmgate.pipeline.prepare.context_length)
     #: how string message content reaches the chat template: ``auto`` (vLLM's detection), ``string``, ``openai``
     chat_template_content_format: str = "auto"
     fetch: FetchSettings = field(default_factory=FetchSettings)

@@ -14,17 +14,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from mmgate import memory
-from mmgate.budget import InflightBudget
-from mmgate.cache import PixelCache
+from mmgate.pipeline import memory
+from mmgate.pipeline.budget import InflightBudget
+from mmgate.pipeline.cache import PixelCache
 from mmgate.chat.tokenizer import load_tokenizer
 from mmgate.media.fetch import MediaFetcher
 from mmgate.models.bundle import resolve_bundle
 from mmgate.models.geometry import resolve_backend
 from mmgate.models.registry import load_family
-from mmgate.pipeline import Pipeline
+from mmgate.pipeline.prepare import Pipeline
 from mmgate.routing.workers import WorkerRegistry
-from mmgate.runtime import ModelRuntime
+from mmgate.pipeline.runtime import ModelRuntime
 from mmgate.config.settings import ImageBackend, Settings
 from mmgate.transport.shm import sweep_dead_segments
 

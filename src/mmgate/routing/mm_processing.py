@@ -40,7 +40,7 @@ from mmgate.media.fetch import url_scheme
 from mmgate.models.family import Family, processor
 from mmgate.request.protocol import ChatCompletionRequest, ImagePart, TextPart, VideoPart
 from mmgate.routing.workers import Worker, WorkerRegistry
-from mmgate.runtime import ModelRuntime
+from mmgate.pipeline.runtime import ModelRuntime
 from mmgate.config.settings import FetchSettings, MmProcessing, Settings
 from mmgate.types import MediaRef, Modality
 

@@ -18,7 +18,7 @@ engine with a retryable ``RESOURCE_EXHAUSTED``.
   label is not known before worker selection; an inline fallback that then
   overflows is answered 413 by ``map_rpc_error``), else inline;
 * ``--multimodal-max-inflight-bytes``, when set, bounds every transport
-  (``mmgate.budget`` refuses a request larger than the whole budget with 413 too,
+  (``mmgate.pipeline.budget`` refuses a request larger than the whole budget with 413 too,
   but only after preprocessing).
 """
 
