@@ -34,7 +34,7 @@ from PIL import Image
 
 from mmgate.pipeline import memory
 from mmgate.gateway.state import GatewayState, build_state
-from mmgate.launch import start_gateway
+from mmgate.cli.launch import start_gateway
 from mmgate.pipeline.memory import IdleTrimmer
 from mmgate.config.settings import Settings
 from tests.abuse.support import (

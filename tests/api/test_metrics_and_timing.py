@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmgate.launch import Child, start_engine, start_gateway
+from mmgate.cli.launch import Child, start_engine, start_gateway
 from mmgate.config.settings import parse_settings
 from tests.conftest import REPO, bundle_dir
 from tests.video.video_support import ClipSpec, make_clip

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmgate.launch import start_engine
+from mmgate.cli.launch import start_engine
 from mmgate.config.settings import MmProcessing, Settings
 from tests.conftest import bundle_dir
 from tests.corpus.stack import RecordingProxy, WireRequest

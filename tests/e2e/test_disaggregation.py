@@ -32,7 +32,7 @@ from PIL import Image
 from mmgate.request.parse import parse_chat_request
 from mmgate.engines.base import Capabilities, EncodedRequest, Role, Wire
 from mmgate.errors import ErrorCode, GatewayError
-from mmgate.launch import Child, start_gateway, wait_http_health
+from mmgate.cli.launch import Child, start_gateway, wait_http_health
 from mmgate.refengine.config import EngineConfig
 from mmgate.refengine.server import RunningEngine, start_engine
 from mmgate.routing.disagg import (

@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from mmgate.errors import GatewayError
-from mmgate.launch import free_port
+from mmgate.cli.launch import free_port
 from mmgate.media.data_url import decode_data_url
 from mmgate.media.image import decode_image
 from mmgate.models.qwen_vl import QwenVLFamily, QwenVLImage, image_params_from_config

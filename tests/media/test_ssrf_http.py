@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from mmgate.launch import free_port
+from mmgate.cli.launch import free_port
 from mmgate.config.settings import Settings
 from tests.conftest import bundle_dir
 from tests.media.gateways import RoutedResolver, ssrf_gateway

@@ -22,7 +22,7 @@ import pytest
 
 from mmgate.request.parse import parse_chat_request
 from mmgate.errors import ErrorCode, GatewayError
-from mmgate.launch import free_port
+from mmgate.cli.launch import free_port
 from mmgate.pipeline.prepare import Pipeline
 from mmgate.config.settings import FetchSettings, FrameSampling, Settings, VideoSettings
 from tests.conftest import bundle_dir

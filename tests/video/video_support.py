@@ -38,7 +38,7 @@ import numpy as np
 
 from mmgate.request.parse import parse_chat_request
 from mmgate.chat.tokenizer import load_tokenizer
-from mmgate.launch import free_port
+from mmgate.cli.launch import free_port
 from mmgate.media.fetch import MediaFetcher
 from mmgate.models.bundle import load_bundle
 from mmgate.models.registry import load_family

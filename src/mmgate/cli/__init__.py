@@ -7,7 +7,7 @@
 * ``demo``: the quick start — starts a reference engine and a gateway on
   loopback with a bundled Qwen-VL model, sends one chat request with a sample
   image, prints the answer, the prompt token count and the stage timings, then
-  stops both (:mod:`mmgate.demo`).
+  stops both (:mod:`mmgate.cli.demo`).
 
 ``mmgate COMMAND --help`` lists a command's flags grouped by topic, each with its
 default and environment variable; docs/configuration.md lists them all.
@@ -75,12 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from mmgate.sidecar.server import main as sidecar_main
         return sidecar_main(rest)
     if command == "demo":
-        from mmgate.demo import main as demo_main
+        from mmgate.cli.demo import main as demo_main
 
         return demo_main(rest)
     print(f"mmgate: unknown command {command!r}\n{__doc__}", file=sys.stderr)
     return 2
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())
