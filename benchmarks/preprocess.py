@@ -73,7 +73,8 @@ from mmgate.media.image import decode_image
 from mmgate.models.bundle import load_bundle
 from mmgate.models.family import assemble
 from mmgate.models.registry import FAMILY_BY_MODEL_TYPE, load_family
-from mmgate.config.settings import DEFAULT_MAX_IMAGE_PIXELS, ImageBackend
+from mmgate.config.settings import DEFAULT_MAX_IMAGE_PIXELS
+from mmgate.models.backend import ImageBackend
 
 CONTENDERS = ("mmgate/pil", "mmgate/torchvision", "hf/pil", "hf/torchvision", "floor")
 BACKENDS = {"pil": ImageBackend.PIL, "torchvision": ImageBackend.TORCHVISION}

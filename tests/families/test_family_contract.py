@@ -30,7 +30,7 @@ from mmgate.media.image import decode_image
 from mmgate.models.bundle import load_bundle
 from mmgate.models.family import assemble
 from mmgate.models.registry import FAMILY_BY_MODEL_TYPE, load_family
-from mmgate.config.settings import ImageBackend
+from mmgate.models.backend import ImageBackend
 from mmgate.types import Modality, TensorLayout
 
 MODEL_TYPES = sorted(FAMILY_BY_MODEL_TYPE)

@@ -52,7 +52,8 @@ from mmgate.models.bundle import load_bundle
 from mmgate.models.family import assemble
 from mmgate.models.gemma3 import Gemma3Family, PanAndScan, pan_and_scan_grid
 from mmgate.models.registry import FAMILY_BY_MODEL_TYPE, load_family
-from mmgate.config.settings import FetchSettings, ImageBackend
+from mmgate.config.settings import FetchSettings
+from mmgate.models.backend import ImageBackend
 from mmgate.types import ItemHints, Modality, TensorLayout
 
 GOLDEN = json.loads(GEMMA3_GOLDEN.read_text(encoding="utf-8"))
@@ -377,7 +378,7 @@ def test_pil_backend_runs_without_transformers_or_torch() -> None:
         from mmgate.media.image import decode_image
         from mmgate.models.bundle import load_bundle
         from mmgate.models.registry import load_family
-        from mmgate.config.settings import ImageBackend
+        from mmgate.models.backend import ImageBackend
         from mmgate.types import ItemHints
         bundle = load_bundle(Path(find_bundle_dir(GEMMA3_BUNDLE)))
         proc = load_family(bundle, load_tokenizer(bundle), ImageBackend.PIL).image

@@ -57,7 +57,8 @@ from mmgate.media.image import decode_image
 from mmgate.models.bundle import load_bundle
 from mmgate.models.family import assemble
 from mmgate.models.registry import load_family
-from mmgate.config.settings import FetchSettings, ImageBackend
+from mmgate.config.settings import FetchSettings
+from mmgate.models.backend import ImageBackend
 from mmgate.types import ItemHints
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -53,7 +53,8 @@ from mmgate.models.llava_next import (
 )
 from mmgate.models.registry import FAMILY_BY_MODEL_TYPE, load_family
 from mmgate.pipeline.planning import splice_all
-from mmgate.config.settings import FetchSettings, ImageBackend
+from mmgate.config.settings import FetchSettings
+from mmgate.models.backend import ImageBackend
 from mmgate.types import ItemHints, Modality, TensorLayout
 
 GOLDENS = {name: json.loads((GOLDEN_DIR / f"{name}.json").read_text(encoding="utf-8"))
@@ -333,7 +334,7 @@ def test_pil_backend_runs_without_transformers_or_torch(name: str) -> None:
         from mmgate.media.image import decode_image
         from mmgate.models.bundle import load_bundle
         from mmgate.models.registry import load_family
-        from mmgate.config.settings import ImageBackend
+        from mmgate.models.backend import ImageBackend
         bundle = load_bundle(Path(find_bundle_dir({folder!r})))
         proc = load_family(bundle, load_tokenizer(bundle), ImageBackend.PIL).image
         decoded = decode_image(ImageSpec({img['width']}, {img['height']}, {img['mode']!r}, {img['seed']},

@@ -52,7 +52,8 @@ from mmgate.models.family import assemble
 from mmgate.models.llava import MAX_RESIZED_PIXELS, LlavaFamily, shortest_edge_size
 from mmgate.models.llava_next import LlavaNextFamily
 from mmgate.pipeline.planning import splice_all
-from mmgate.config.settings import FetchSettings, ImageBackend
+from mmgate.config.settings import FetchSettings
+from mmgate.models.backend import ImageBackend
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

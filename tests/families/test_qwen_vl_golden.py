@@ -39,7 +39,8 @@ from mmgate.media.image import decode_image
 from mmgate.models.bundle import load_bundle
 from mmgate.models.family import assemble
 from mmgate.models.registry import load_family
-from mmgate.config.settings import FetchSettings, ImageBackend
+from mmgate.config.settings import FetchSettings
+from mmgate.models.backend import ImageBackend
 
 GOLDEN = json.loads(QWEN_VL_GOLDEN.read_text(encoding="utf-8"))
 IMAGES = {img["name"]: img for img in GOLDEN["images"]}
@@ -174,7 +175,7 @@ def test_pil_backend_rows_run_without_transformers_or_torch() -> None:
         from mmgate.media.image import decode_image
         from mmgate.models.bundle import load_bundle
         from mmgate.models.registry import load_family
-        from mmgate.config.settings import ImageBackend
+        from mmgate.models.backend import ImageBackend
         from mmgate.types import Modality
         bundle = load_bundle(Path(find_bundle_dir({row['bundle']!r})))
         family = load_family(bundle, load_tokenizer(bundle), ImageBackend.PIL)

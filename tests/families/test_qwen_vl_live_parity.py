@@ -51,7 +51,8 @@ from mmgate.media.image import decode_image  # noqa: E402
 from mmgate.models.bundle import load_bundle  # noqa: E402
 from mmgate.models.family import assemble
 from mmgate.models.registry import load_family  # noqa: E402
-from mmgate.config.settings import FetchSettings, ImageBackend  # noqa: E402
+from mmgate.config.settings import FetchSettings  # noqa: E402
+from mmgate.models.backend import ImageBackend
 
 pytestmark = pytest.mark.slow
 

@@ -24,7 +24,8 @@ from mmgate.request.parse import parse_chat_request
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.cli.launch import free_port
 from mmgate.pipeline.prepare import Pipeline
-from mmgate.config.settings import FetchSettings, FrameSampling, Settings, VideoSettings
+from mmgate.config.settings import FetchSettings, Settings, VideoSettings
+from mmgate.models.backend import FrameSampling
 from tests.conftest import bundle_dir
 from tests.support.servers import gateway_in_thread, media_origin
 from tests.video.video_support import QWEN2_5, QWEN3, data_url, loopback_gateway, pipeline, video_part

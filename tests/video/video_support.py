@@ -44,7 +44,8 @@ from mmgate.models.bundle import load_bundle
 from mmgate.models.registry import load_family
 from mmgate.pipeline.prepare import Pipeline
 from mmgate.pipeline.runtime import ModelRuntime
-from mmgate.config.settings import FetchSettings, FrameSampling, ImageBackend, Settings, VideoSettings
+from mmgate.config.settings import FetchSettings, Settings, VideoSettings
+from mmgate.models.backend import FrameSampling, ImageBackend
 from mmgate.types import PreparedRequest
 from tests.conftest import bundle_dir
 from tests.support.servers import gateway_in_thread

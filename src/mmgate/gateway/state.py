@@ -25,7 +25,8 @@ from mmgate.models.registry import load_family
 from mmgate.pipeline.prepare import Pipeline
 from mmgate.routing.workers import WorkerRegistry
 from mmgate.pipeline.runtime import ModelRuntime
-from mmgate.config.settings import ImageBackend, Settings
+from mmgate.config.settings import Settings
+from mmgate.models.backend import ImageBackend
 from mmgate.transport.shm import sweep_dead_segments
 
 log = logging.getLogger("mmgate.api")

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from mmgate.config.options import add_option, resolve
 from mmgate.config.settings import (
     FetchSettings,
-    ImageBackend,
     VideoSettings,
     add_media_options,
     add_video_options,
@@ -29,6 +28,7 @@ from mmgate.config.settings import (
     item_limits,
     video_settings,
 )
+from mmgate.models.backend import ImageBackend
 
 
 @dataclass(frozen=True, slots=True)
