@@ -462,14 +462,42 @@ def _pd_settings(ns: argparse.Namespace) -> tuple[bool, tuple[tuple[str, int | N
     return enabled, prefill, decode
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def add_model_options(container: argparse._ActionsContainer, *, search_path: bool = True,
+                      log_level: bool = True) -> None:
+    """``--model``, ``--model-path`` and ``--log-level``: the one definition ``mmgate serve``,
+    ``mmgate engine`` and ``mmgate sidecar`` share.
+
+    ``search_path``: ``--model`` may name ``org/name`` found on ``--model-path`` (serve, sidecar);
+    False: ``--model`` is a bundle folder and there is no ``--model-path`` (engine).  ``log_level``
+    False: the caller lists ``--log-level`` in another group (:func:`add_log_level_option`).
+    """
+    if search_path:
+        add_option(container, "--model", required=True,
+                   help="model bundle: a folder, or org/name found on the model search path")
+        add_option(container, "--model-path", env=(ENV_MODEL_PATH,), metavar="DIRS",
+                   help="search path of bundle folders, os.pathsep-separated")
+    else:
+        add_option(container, "--model", required=True, type=Path, metavar="DIR",
+                   help="model bundle folder (config.json, tokenizer, optional weights)")
+    if log_level:
+        add_log_level_option(container)
+
+
+def add_log_level_option(container: argparse._ActionsContainer) -> None:
+    """``--log-level``, part of :func:`add_model_options`'s group."""
+    add_option(container, "--log-level", default="info", choices=list(LOG_LEVELS), type=str.lower,
+               help="log level of the process's loggers")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``mmgate serve`` parser, its options grouped by topic (``--help``; docs/configuration.md)."""
     p = argparse.ArgumentParser(prog="mmgate serve", description="Run the mmgate OpenAI-compatible gateway "
                                 "(every option with its default and environment variable: docs/configuration.md).")
     g = p.add_argument_group("model and server")
-    add_option(g, "--model", required=True, help="model bundle: a folder, or org/name found on the model search path")
-    add_option(g, "--model-path", env=(ENV_MODEL_PATH,), metavar="DIRS",
-               help="search path of bundle folders, os.pathsep-separated")
+    add_model_options(g, log_level=False)
     add_option(g, "--served-model-name", help="model name clients send and /v1/models lists (default: --model)")
     add_option(g, "--host", default="127.0.0.1", help="address the HTTP server listens on")
     add_option(g, "--port", type=int, default=30000, minimum=0, help="port the HTTP server listens on")
@@ -579,8 +607,7 @@ def build_parser() -> argparse.ArgumentParser:
                help="glibc M_ARENA_MAX: malloc arenas the gateway's threads share, so the idle trim returns all "
                     "free memory (0: glibc's default, 8 per core)")
     g = p.add_argument_group("logging and metrics")
-    add_option(g, "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
-               type=str.lower, help="log level of the gateway's loggers")
+    add_log_level_option(g)
     add_option(g, "--log-mm-timing", action="store_true", default=False, env=(ENV_LOG_MM_TIMING,),
                deprecated=(ENV_LOG_MM_TIMING,),
                help="log one smg_mm_timing line per media request, plus video decode and tensor transport "
