@@ -5,7 +5,7 @@ One process (this one, the client) starts, on loopback:
 * ``benchmarks/null_worker.py``: a vLLM-wire gRPC worker that answers at once
   (reads and unlinks shm payloads, then one token), so the gateways are measured;
 * mmgate: ``python -m mmgate.cli serve --model <bundle> --worker-urls grpc://... --log-level warning``
-  (``mmgate.launch.start_gateway``), plus ``--multimodal-tensor-transport`` /
+  (``mmgate.cli.launch.start_gateway``), plus ``--multimodal-tensor-transport`` /
   ``--multimodal-shm-min-bytes`` when this mmgate has them;
 * smg: ``smg launch --worker-urls grpc://... --model-path <bundle>`` from its own
   virtual environment (``--smg``; default ``bench-out/smg-venv/bin/smg``, made with
@@ -59,7 +59,7 @@ from gateway_procs import (
     tree_kb,
 )
 
-from mmgate.launch import Child, start_gateway
+from mmgate.cli.launch import Child, start_gateway
 
 BENCH_OUT = REPO_ROOT / "bench-out"
 DEFAULT_MODEL = "Qwen--Qwen3-VL-2B-Instruct"

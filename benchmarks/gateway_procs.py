@@ -1,6 +1,6 @@
 """Processes of the end-to-end benchmark: start the null worker and smg, measure process-tree memory.
 
-mmgate itself is started with ``mmgate.launch.start_gateway`` (the same way the
+mmgate itself is started with ``mmgate.cli.launch.start_gateway`` (the same way the
 tests and the quick start do); every child runs in its own session and is
 stopped by its own process group (``Child.stop``).
 """
@@ -19,7 +19,7 @@ import httpx
 
 from bench_report import REPO_ROOT
 
-from mmgate.launch import Child, free_port, wait_grpc_health
+from mmgate.cli.launch import Child, free_port, wait_grpc_health
 
 
 def _spawn(name: str, argv: Sequence[str], port: int, log_dir: Path, env: dict[str, str] | None = None) -> Child:

@@ -22,7 +22,7 @@ import numpy as np
 from smg_grpc_proto.generated import vllm_engine_pb2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from mmgate.launch import free_port  # noqa: E402
+from mmgate.cli.launch import free_port  # noqa: E402
 
 METHOD = "/vllm.grpc.engine.VllmEngine/Generate"
 BASE = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]

@@ -49,7 +49,8 @@ from mmgate.models.bundle import load_bundle
 from mmgate.models.image_rows import image_rows, write_rows
 from mmgate.models.registry import load_family
 from mmgate.models.video_pixels import normalize_rows, patchify_video
-from mmgate.settings import DEFAULT_MAX_IMAGE_PIXELS, ImageBackend
+from mmgate.config.settings import DEFAULT_MAX_IMAGE_PIXELS
+from mmgate.models.backend import ImageBackend
 from mmgate.transport.placement import BufferTarget, new_bytes
 
 MODELS = {"qwen2_5_vl": "Qwen--Qwen2.5-VL-7B-Instruct", "qwen3_vl": "Qwen--Qwen3-VL-2B-Instruct"}

@@ -37,9 +37,10 @@ from mmgate.media.fetch import MediaFetcher
 from mmgate.models.bundle import load_bundle
 from mmgate.models.geometry import resolve_backend
 from mmgate.models.registry import load_family
-from mmgate.pipeline import Pipeline
-from mmgate.runtime import ModelRuntime
-from mmgate.settings import ImageBackend, Settings
+from mmgate.pipeline.prepare import Pipeline
+from mmgate.pipeline.runtime import ModelRuntime
+from mmgate.config.settings import Settings
+from mmgate.models.backend import ImageBackend
 
 bundle_dir, width, height, min_time, backend = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
 bundle = load_bundle(bundle_dir)

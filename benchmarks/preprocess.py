@@ -6,7 +6,7 @@ three Qwen-VL bundles, LLaVA-1.5, LLaVA-NeXT, Gemma 3, at least one per family r
 interleaved, these contenders on the same encoded bytes (decode is included in every one):
 
 * ``mmgate/pil``, ``mmgate/torchvision``: the gateway's own calls through the generic family seam
-  only (``mmgate.pipeline.Pipeline._fetch_decode`` / ``_preprocess``): ``decode_image`` ->
+  only (``mmgate.pipeline.prepare.Pipeline._fetch_decode`` / ``_preprocess``): ``decode_image`` ->
   ``family.image.plan(h, w)`` -> ``family.image.preprocess(decoded, plan)`` ->
   ``mmgate.models.family.assemble(family.image, [plan], [share])`` (every tensor of the batch,
   the primary and the auxiliary ones).  No family-specific code here.
@@ -73,7 +73,8 @@ from mmgate.media.image import decode_image
 from mmgate.models.bundle import load_bundle
 from mmgate.models.family import assemble
 from mmgate.models.registry import FAMILY_BY_MODEL_TYPE, load_family
-from mmgate.settings import DEFAULT_MAX_IMAGE_PIXELS, ImageBackend
+from mmgate.config.settings import DEFAULT_MAX_IMAGE_PIXELS
+from mmgate.models.backend import ImageBackend
 
 CONTENDERS = ("mmgate/pil", "mmgate/torchvision", "hf/pil", "hf/torchvision", "floor")
 BACKENDS = {"pil": ImageBackend.PIL, "torchvision": ImageBackend.TORCHVISION}

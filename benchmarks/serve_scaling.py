@@ -3,7 +3,7 @@
 One process (this one, the client) starts, on loopback:
 
 * ``benchmarks/null_worker.py``: a vLLM-wire gRPC worker that answers at once, so the gateways are measured;
-* two gateways, both up for the whole run (``mmgate.launch.start_gateway``, ``--log-level warning``):
+* two gateways, both up for the whole run (``mmgate.cli.launch.start_gateway``, ``--log-level warning``):
   ``mmgate serve --workers 1`` (the default: one process) and ``mmgate serve --workers 2`` (a parent and two
   gateway processes on one port, ``SO_REUSEPORT``).
 
@@ -49,7 +49,7 @@ from bench_report import (
 from e2e_gateway import DEFAULT_MODEL, chat_body, run_load
 from gateway_procs import _tree_pids, machine_busy, start_null_worker, tree_cpu
 
-from mmgate.launch import Child, start_gateway
+from mmgate.cli.launch import Child, start_gateway
 
 BENCH_OUT = REPO_ROOT / "bench-out"
 _TICK = os.sysconf("SC_CLK_TCK")

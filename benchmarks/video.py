@@ -52,7 +52,7 @@ from mmgate.media.video import decode_video
 from mmgate.models.bundle import load_bundle
 from mmgate.models.family import assemble
 from mmgate.models.registry import load_family
-from mmgate.settings import ImageBackend
+from mmgate.models.backend import ImageBackend
 from mmgate.types import ItemHints
 
 #: name -> (seconds, fps, width, height, x264 options)

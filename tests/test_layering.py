@@ -1,5 +1,5 @@
 """Layering of ``src/mmgate`` (docs/architecture.md, "Layers"): no import cycle among its modules, and no
-module outside ``mmgate.api`` imports ``mmgate.api`` (the entry points cli, launch, demo, config_docs and
+module outside ``mmgate.api`` imports ``mmgate.api`` (the entry points cli, launch, demo, config.docs and
 ``__main__`` aside).
 
 Every import counts: top level, inside a function, under ``TYPE_CHECKING``.  The walk is the one of the

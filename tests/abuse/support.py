@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from mmgate.launch import Child, start_engine, start_gateway
+from mmgate.cli.launch import Child, start_engine, start_gateway
 from mmgate.transport.shm import PREFIX, SHM_DIR
 
 DEFAULT_MODEL = "Qwen/Qwen2-VL-2B-Instruct"

@@ -32,9 +32,9 @@ from PIL import Image
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from mmgate.engines.base import Probe, ProbeOutcome
-from mmgate.launch import start_engine
+from mmgate.cli.launch import start_engine
 from mmgate.routing.workers import HealthPolicy, Worker
-from mmgate.settings import FetchSettings, Settings
+from mmgate.config.settings import FetchSettings, Settings
 from tests.abuse.support import (
     DEFAULT_MODEL,
     HealthWatch,

@@ -1,6 +1,6 @@
 """Issue 15, item 7: memory is given back after large requests.
 
-* :class:`mmgate.memory.IdleTrimmer`: a large request marks the heap; once nothing is held the
+* :class:`mmgate.pipeline.memory.IdleTrimmer`: a large request marks the heap; once nothing is held the
   trim runs once, ``delay_s`` later, and not while requests are still held.
 * Issue 20: a streamed answer (chat completions, responses, messages) keeps its request body's hold on the
   trimmer until the stream has ended, or the client has left: no trim runs while the stream still holds
@@ -32,11 +32,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmgate import memory
+from mmgate.pipeline import memory
 from mmgate.gateway.state import GatewayState, build_state
-from mmgate.launch import start_gateway
-from mmgate.memory import IdleTrimmer
-from mmgate.settings import Settings
+from mmgate.cli.launch import start_gateway
+from mmgate.pipeline.memory import IdleTrimmer
+from mmgate.config.settings import Settings
 from tests.abuse.support import (
     DEFAULT_MODEL,
     HealthWatch,

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mmgate.settings import Settings
+from mmgate.config.settings import Settings
 from tests.abuse.support import (
     DEFAULT_MODEL,
     HealthWatch,

@@ -26,9 +26,9 @@ from mmgate.chat.tokenizer import load_tokenizer
 from mmgate.engines.vllm import sampling_message
 from mmgate.errors import GatewayError
 from mmgate.models.bundle import load_bundle
-from mmgate.runtime import ModelRuntime
-from mmgate.planning import plan_request
-from mmgate.settings import Settings
+from mmgate.pipeline.runtime import ModelRuntime
+from mmgate.pipeline.planning import plan_request
+from mmgate.config.settings import Settings
 from mmgate.types import SamplingParams
 from tests.abuse.support import HealthWatch, Stack, after_attack, chat_body, running_stack, shm_segments
 from tests.conftest import bundle_dir

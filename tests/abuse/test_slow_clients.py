@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mmgate.launch import start_gateway
+from mmgate.cli.launch import start_gateway
 from tests.abuse.support import (
     HealthWatch,
     Stack,

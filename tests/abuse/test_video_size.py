@@ -34,8 +34,8 @@ from PIL import Image
 from mmgate.request.parse import parse_chat_request
 from mmgate.engines.vllm import map_rpc_error
 from mmgate.errors import ErrorCode, GatewayError
-from mmgate.pipeline import Pipeline
-from mmgate.settings import TensorTransport, TransportSettings
+from mmgate.pipeline.prepare import Pipeline
+from mmgate.config.settings import TensorTransport, TransportSettings
 from mmgate.transport.limits import GRPC_MAX_MESSAGE_BYTES
 from mmgate.types import Modality, PreparedRequest
 from tests.abuse.support import HealthWatch, Stack, after_attack, rss_mb, running_stack, shm_segments

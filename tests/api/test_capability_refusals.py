@@ -26,7 +26,7 @@ from PIL import Image
 
 from mmgate.engines.base import Wire
 from mmgate.engines.capabilities import MATRIX, MediaKind
-from mmgate.settings import FetchSettings, Settings
+from mmgate.config.settings import FetchSettings, Settings
 from tests.conftest import bundle_dir
 from tests.support.fake_engines import FakeEngine, FakeEngineState
 from tests.support.fake_worker import FakeWorker, FakeWorkerState

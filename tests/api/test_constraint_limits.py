@@ -1,7 +1,7 @@
 """The gateway's bounds on structured-output and tool-choice constraints (issue 20, deliverables 1 and 3).
 
 Through ``parse_chat_request`` (the parse every chat completion goes through), with the default
-:class:`~mmgate.settings.ConstraintLimits` and with settings parsed from the ``--constraint-*``
+:class:`~mmgate.config.settings.ConstraintLimits` and with settings parsed from the ``--constraint-*``
 flags.  Each limit is shown on both sides: a constraint exactly at the limit is accepted and reaches
 the :class:`~mmgate.types.Constraint` the wire carries unchanged, one past it is a 400 naming the field
 and the limit.  The sizes are written out as arithmetic here; the caller mistakes that used to raise
@@ -19,7 +19,7 @@ from mmgate.request.constraint_limits import regex_shape
 from mmgate.request.parse import parse_chat_request
 from mmgate.request.structured import request_constraint
 from mmgate.errors import ErrorCode, GatewayError
-from mmgate.settings import ConstraintLimits, parse_settings
+from mmgate.config.settings import ConstraintLimits, parse_settings
 from mmgate.types import Constraint, ConstraintKind
 
 LIMITS = ConstraintLimits()

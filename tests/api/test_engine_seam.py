@@ -33,9 +33,9 @@ from mmgate.engines.capabilities import MediaKind, worker_modalities
 from mmgate.engines.client import WorkerClient
 from mmgate.engines.probe import SERVICES, healthy_sync
 from mmgate.errors import ErrorCode, GatewayError
-from mmgate.launch import free_port
+from mmgate.cli.launch import free_port
 from mmgate.routing.workers import HealthPolicy, Worker, WorkerRegistry
-from mmgate.settings import TensorTransport, TransportSettings
+from mmgate.config.settings import TensorTransport, TransportSettings
 from mmgate.types import Modality
 from tests.support.fake_engines import FakeEngine, FakeEngineState
 from tests.support.fake_worker import FakeWorker, FakeWorkerState

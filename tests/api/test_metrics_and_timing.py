@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmgate.launch import Child, start_engine, start_gateway
-from mmgate.settings import parse_settings
+from mmgate.cli.launch import Child, start_engine, start_gateway
+from mmgate.config.settings import parse_settings
 from tests.conftest import REPO, bundle_dir
 from tests.video.video_support import ClipSpec, make_clip
 
@@ -290,11 +290,11 @@ def test_tensors_sent_through_shared_memory_are_logged_as_shm_writes(caplog: pyt
 
     from transformers import AutoProcessor
 
-    from mmgate import timing_log
+    from mmgate.observe import timing_log
     from mmgate.gateway.state import build_state
     from mmgate.request.parse import parse_chat_request
     from mmgate.engines.vllm import encode_generate_request
-    from mmgate.settings import Settings
+    from mmgate.config.settings import Settings
     from mmgate.transport.dtypes import EncoderDtype
     from mmgate.transport.policy import WirePlan
     from mmgate.transport.shm import ShmLease
@@ -330,8 +330,8 @@ def test_tensors_sent_through_shared_memory_are_logged_as_shm_writes(caplog: pyt
 def test_budget_refusals_count_under_smg_admission_reasons() -> None:
     import asyncio
 
-    from mmgate import metrics
-    from mmgate.budget import InflightBudget
+    from mmgate.observe import metrics
+    from mmgate.pipeline.budget import InflightBudget
     from mmgate.errors import ErrorCode, GatewayError
 
     def value() -> float:

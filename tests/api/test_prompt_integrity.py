@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmgate.launch import start_engine
-from mmgate.settings import MmProcessing, Settings
+from mmgate.cli.launch import start_engine
+from mmgate.config.settings import MmProcessing, Settings
 from tests.conftest import bundle_dir
 from tests.corpus.stack import RecordingProxy, WireRequest
 from tests.support.servers import gateway_in_thread

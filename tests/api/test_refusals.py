@@ -20,8 +20,8 @@ from PIL import Image
 
 from mmgate.api.app import create_app
 from mmgate.gateway.state import build_state
-from mmgate.launch import free_port
-from mmgate.settings import FetchSettings, Settings
+from mmgate.cli.launch import free_port
+from mmgate.config.settings import FetchSettings, Settings
 from tests.conftest import bundle_dir
 from tests.support.servers import gateway_in_thread, media_origin
 

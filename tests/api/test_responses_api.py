@@ -20,8 +20,8 @@ import openai
 import pytest
 from PIL import Image
 
-from mmgate.launch import free_port
-from mmgate.settings import Settings
+from mmgate.cli.launch import free_port
+from mmgate.config.settings import Settings
 from tests.abuse.support import DEFAULT_MODEL as MODEL
 from tests.abuse.support import Stack, running_stack
 from tests.conftest import bundle_dir

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from mmgate.settings import Settings
+from mmgate.config.settings import Settings
 from tests.conftest import bundle_dir
 from tests.support.fake_worker import FakeWorker
 from tests.support.servers import gateway_in_thread

@@ -29,7 +29,7 @@ from mmgate.api.tool_parsing import ToolCallStream, parse_hermes
 from mmgate.chat.template import render_chat
 from mmgate.engines.vllm import sampling_message
 from mmgate.errors import GatewayError
-from mmgate.launch import start_engine, start_gateway
+from mmgate.cli.launch import start_engine, start_gateway
 from mmgate.models.bundle import resolve_bundle
 from mmgate.refengine.bundle import LazyTokenizer
 from mmgate.refengine.config import CompileLimits

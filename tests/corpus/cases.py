@@ -91,7 +91,7 @@ def family_accepts_video(profile: str) -> bool:
     from mmgate.models.bundle import resolve_bundle
     from mmgate.models.geometry import resolve_backend
     from mmgate.models.registry import load_family
-    from mmgate.settings import ImageBackend
+    from mmgate.models.backend import ImageBackend
     from mmgate.types import Modality
     from tests.conftest import bundle_dir
     from tests.corpus.stack import PROFILE_BASE

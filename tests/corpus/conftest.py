@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from mmgate.launch import Child, start_engine, start_gateway
+from mmgate.cli.launch import Child, start_engine, start_gateway
 from tests.conftest import model_roots
 from tests.corpus.cases import BASE_PROFILE, group_of, load_corpus, profiles_in_use
 from tests.corpus.stack import (

@@ -30,7 +30,7 @@ import numpy as np
 from smg_grpc_proto.generated import vllm_engine_pb2
 
 from mmgate.engines.client import CHANNEL_OPTIONS
-from mmgate.settings import build_parser
+from mmgate.config.settings import build_parser
 from mmgate.transport.inline import from_parts
 
 ALLOWED_TEST_HOST = "allowed.test"

@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from mmgate.settings import FetchSettings, Settings
+from mmgate.config.settings import FetchSettings, Settings
 from tests.corpus.conftest import CorpusStack
 from tests.media.origin import Behavior
 from tests.support.servers import gateway_in_thread

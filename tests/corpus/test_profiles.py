@@ -61,7 +61,7 @@ def test_qwen_profile_bundles_set_do_sample_frames_and_the_qwen2_one_passes_fram
     from mmgate.media.video import decode_video
     from mmgate.models.bundle import load_bundle
     from mmgate.models.registry import load_family
-    from mmgate.settings import FrameSampling, ImageBackend
+    from mmgate.models.backend import FrameSampling, ImageBackend
     from mmgate.types import ItemHints
 
     corpus = load_corpus()

@@ -52,7 +52,7 @@ import pytest
 
 from mmgate.engines.base import Role, Wire
 from mmgate.errors import ERROR_TABLE, ErrorCode
-from mmgate.launch import Child, start_gateway, wait_http_health
+from mmgate.cli.launch import Child, start_gateway, wait_http_health
 from mmgate.refengine.config import EngineConfig
 from mmgate.refengine.server import RunningEngine, start_engine
 from tests.conftest import bundle_dir

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from mmgate.engines.base import Role, Wire
-from mmgate.launch import Child, start_gateway, wait_http_health
+from mmgate.cli.launch import Child, start_gateway, wait_http_health
 from tests.conftest import bundle_dir
 from tests.e2e.test_disagg_vllm import Stack, _recorded
 from tests.e2e.test_disaggregation import MODELS, QWEN2_5, _body, _tokens

@@ -35,7 +35,7 @@ import pytest
 from PIL import Image
 
 from mmgate.engines.base import Role, Wire
-from mmgate.launch import Child, start_gateway, wait_http_health
+from mmgate.cli.launch import Child, start_gateway, wait_http_health
 from mmgate.refengine.config import EngineConfig
 from mmgate.refengine.server import RunningEngine, start_engine
 from tests.conftest import bundle_dir

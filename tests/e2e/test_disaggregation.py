@@ -32,7 +32,7 @@ from PIL import Image
 from mmgate.request.parse import parse_chat_request
 from mmgate.engines.base import Capabilities, EncodedRequest, Role, Wire
 from mmgate.errors import ErrorCode, GatewayError
-from mmgate.launch import Child, start_gateway, wait_http_health
+from mmgate.cli.launch import Child, start_gateway, wait_http_health
 from mmgate.refengine.config import EngineConfig
 from mmgate.refengine.server import RunningEngine, start_engine
 from mmgate.routing.disagg import (
@@ -44,7 +44,7 @@ from mmgate.routing.disagg import (
     pick_encoder,
 )
 from mmgate.routing.workers import Worker, WorkerRegistry
-from mmgate.settings import MmProcessing, parse_settings
+from mmgate.config.settings import MmProcessing, parse_settings
 from tests.conftest import bundle_dir
 
 QWEN2_5 = "Qwen/Qwen2.5-VL-7B-Instruct"

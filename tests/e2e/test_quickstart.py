@@ -11,7 +11,7 @@ import sys
 
 from PIL import Image
 
-from mmgate.demo import sample_image_data_url
+from mmgate.cli.demo import sample_image_data_url
 from tests.conftest import bundle_dir
 
 

@@ -39,10 +39,10 @@ from PIL import Image
 
 from mmgate.api.multiproc import MAX_RESTARTS, METRICS_PREFIX, PROCESS_HEADER
 from mmgate.api.serve_child import process_settings
-from mmgate.launch import Child, start_gateway, wait_processes
+from mmgate.cli.launch import Child, start_gateway, wait_processes
 from mmgate.refengine.config import EngineConfig
 from mmgate.refengine.server import RunningEngine, start_engine
-from mmgate.settings import parse_settings
+from mmgate.config.settings import parse_settings
 from tests.conftest import bundle_dir
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"

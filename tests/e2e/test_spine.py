@@ -19,7 +19,7 @@ import openai
 import pytest
 from PIL import Image
 
-from mmgate.launch import Child, start_engine, start_gateway
+from mmgate.cli.launch import Child, start_engine, start_gateway
 from tests.conftest import bundle_dir
 from tests.support.servers import MediaOrigin, media_origin
 

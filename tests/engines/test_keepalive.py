@@ -23,7 +23,7 @@ import pytest
 
 from mmgate.engines.client import DEFAULT_KEEPALIVE, channel_options
 from mmgate.refengine.server import PING_POLICY
-from mmgate.settings import KeepaliveSettings, parse_settings
+from mmgate.config.settings import KeepaliveSettings, parse_settings
 from tests.e2e.fault_proxy import FaultProxy
 
 FAST = KeepaliveSettings(interval_s=1.0, timeout_s=1.0)

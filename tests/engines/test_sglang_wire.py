@@ -3,7 +3,7 @@
 The recording fake (``tests/engines/sglang_fake.py``) reads each ``GenerateRequest`` as the SMG
 servicer does (smg-grpc-servicer 0.14.1 ``sglang/servicer.py`` ``_convert_generate_request``,
 ``_parse_mm_inputs``, ``_convert_sampling_params``; ``tensor_wire.tensor_from_parts``).  The
-requests are prepared by mmgate's own :class:`~mmgate.pipeline.Pipeline`; the expected ids and
+requests are prepared by mmgate's own :class:`~mmgate.pipeline.prepare.Pipeline`; the expected ids and
 tensors are the transformers 5.24 processor's (``AutoProcessor`` of the bundle, torchvision
 backend, on the chat-templated prompt: ``tests/worker_mode/reference.py`` ``reference_inputs``
 for images, ``tests/video/video_support.py`` ``reference`` for the clip).
@@ -25,7 +25,7 @@ import pytest
 import torch
 from PIL import Image
 
-from mmgate import metrics
+from mmgate.observe import metrics
 from mmgate.request.parse import parse_chat_request
 from mmgate.engines.base import Bootstrap, Role
 from mmgate.engines.sglang import (

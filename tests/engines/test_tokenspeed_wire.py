@@ -42,7 +42,7 @@ from mmgate.engines.tokenspeed import (
 )
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.engines.wire_values import embedding_runs
-from mmgate.settings import TensorTransport, TransportSettings, parse_settings, tokenspeed_encoder_dtypes
+from mmgate.config.settings import TensorTransport, TransportSettings, parse_settings, tokenspeed_encoder_dtypes
 from mmgate.transport.dtypes import EncoderDtype
 from mmgate.transport.policy import INLINE_FLOAT32, wire_plan
 from mmgate.transport.shm import ShmLease

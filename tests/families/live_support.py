@@ -29,7 +29,8 @@ from parity_support import MODES, ImageSpec, find_bundle_dir
 from mmgate.chat.tokenizer import load_tokenizer
 from mmgate.models.bundle import load_bundle
 from mmgate.models.registry import load_family
-from mmgate.settings import FetchSettings, ImageBackend
+from mmgate.config.settings import FetchSettings
+from mmgate.models.backend import ImageBackend
 
 MAX_DECODE_PIXELS = FetchSettings().max_image_pixels
 BACKENDS = (ImageBackend.PIL, ImageBackend.TORCHVISION)

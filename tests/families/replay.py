@@ -46,8 +46,9 @@ from mmgate.media.image import DecodedImage, decode_image
 from mmgate.models.bundle import load_bundle
 from mmgate.models.family import assemble
 from mmgate.models.registry import load_family
-from mmgate.planning import splice_all
-from mmgate.settings import FetchSettings, ImageBackend
+from mmgate.pipeline.planning import splice_all
+from mmgate.config.settings import FetchSettings
+from mmgate.models.backend import ImageBackend
 from mmgate.types import ItemHints
 
 MAX_DECODE_PIXELS = FetchSettings().max_image_pixels

@@ -30,7 +30,7 @@ from mmgate.media.image import decode_image
 from mmgate.models.bundle import load_bundle
 from mmgate.models.family import assemble
 from mmgate.models.registry import FAMILY_BY_MODEL_TYPE, load_family
-from mmgate.settings import ImageBackend
+from mmgate.models.backend import ImageBackend
 from mmgate.types import Modality, TensorLayout
 
 MODEL_TYPES = sorted(FAMILY_BY_MODEL_TYPE)
@@ -136,11 +136,11 @@ def test_pixel_cache_hit_equals_miss(model_type: str) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from mmgate.request.parse import parse_chat_request
-    from mmgate.cache import PixelCache
+    from mmgate.pipeline.cache import PixelCache
     from mmgate.media.fetch import MediaFetcher
-    from mmgate.pipeline import Pipeline
-    from mmgate.runtime import ModelRuntime
-    from mmgate.settings import Settings
+    from mmgate.pipeline.prepare import Pipeline
+    from mmgate.pipeline.runtime import ModelRuntime
+    from mmgate.config.settings import Settings
 
     family, entry = family_for(model_type, BACKENDS[0])
     bundle = load_bundle(Path(find_bundle_dir(entry["bundle"])))

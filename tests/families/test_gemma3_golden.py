@@ -23,7 +23,7 @@ from mmgate.errors import ErrorCode, GatewayError
 from mmgate.models.family import assemble
 from mmgate.models.gemma3 import Gemma3Family, PanAndScan, pan_and_scan_grid
 from mmgate.models.registry import FAMILY_BY_MODEL_TYPE, load_family
-from mmgate.settings import ImageBackend
+from mmgate.models.backend import ImageBackend
 from mmgate.types import ItemHints, Modality, TensorLayout
 
 GOLDEN = golden("gemma3")

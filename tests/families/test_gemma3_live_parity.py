@@ -53,7 +53,8 @@ from mmgate.chat.template import render_chat
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.image import decode_image
 from mmgate.models.family import assemble
-from mmgate.settings import FetchSettings, ImageBackend
+from mmgate.config.settings import FetchSettings
+from mmgate.models.backend import ImageBackend
 from mmgate.types import ItemHints
 
 SEED = live.live_seed("gemma3")

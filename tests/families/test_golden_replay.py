@@ -96,7 +96,7 @@ def test_pil_backend_runs_without_transformers_or_torch(family: GoldenFamily) ->
         from mmgate.media.image import decode_image
         from mmgate.models.bundle import load_bundle
         from mmgate.models.registry import load_family
-        from mmgate.settings import ImageBackend
+        from mmgate.models.backend import ImageBackend
         from mmgate.types import ItemHints
         bundle = load_bundle(Path(find_bundle_dir({row['bundle']!r})))
         proc = load_family(bundle, load_tokenizer(bundle), ImageBackend.PIL).image

@@ -32,7 +32,8 @@ from mmgate.models.llava_next import (
     unpadded_features,
 )
 from mmgate.models.registry import FAMILY_BY_MODEL_TYPE, load_family
-from mmgate.settings import FetchSettings, ImageBackend
+from mmgate.config.settings import FetchSettings
+from mmgate.models.backend import ImageBackend
 from mmgate.types import ItemHints, Modality, TensorLayout
 
 GOLDENS = {name: golden(name) for name in ("llava", "llava_next")}

@@ -49,8 +49,9 @@ from mmgate.media.image import decode_image
 from mmgate.models.family import assemble
 from mmgate.models.llava import MAX_RESIZED_PIXELS, LlavaFamily, shortest_edge_size
 from mmgate.models.llava_next import LlavaNextFamily
-from mmgate.planning import splice_all
-from mmgate.settings import FetchSettings, ImageBackend
+from mmgate.pipeline.planning import splice_all
+from mmgate.config.settings import FetchSettings
+from mmgate.models.backend import ImageBackend
 
 SEED = live.live_seed("llava")
 

@@ -39,7 +39,8 @@ from mmgate.chat.template import render_chat  # noqa: E402
 from mmgate.errors import ErrorCode, GatewayError  # noqa: E402
 from mmgate.media.image import decode_image  # noqa: E402
 from mmgate.models.family import assemble  # noqa: E402
-from mmgate.settings import FetchSettings, ImageBackend  # noqa: E402
+from mmgate.config.settings import FetchSettings  # noqa: E402
+from mmgate.models.backend import ImageBackend
 
 pytestmark = pytest.mark.slow
 

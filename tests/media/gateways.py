@@ -19,7 +19,7 @@ import pytest
 
 from mmgate.media.addresses import system_resolver
 from mmgate.media.fetch import MediaFetcher
-from mmgate.settings import FetchSettings, Settings
+from mmgate.config.settings import FetchSettings, Settings
 from tests.support.servers import gateway_in_thread
 
 

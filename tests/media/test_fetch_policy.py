@@ -20,7 +20,7 @@ import pytest
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.connect import PIN_EXTENSION, Pin, PinnedTransport
 from mmgate.media.fetch import MediaFetcher
-from mmgate.settings import FetchSettings
+from mmgate.config.settings import FetchSettings
 from tests.media.hostile_urls import LOOPBACK_HOSTS, NON_PUBLIC_URLS, PUBLIC
 from tests.media.netfakes import (
     FailIfCalledBackend,

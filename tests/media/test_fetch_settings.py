@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mmgate.settings import (
+from mmgate.config.settings import (
     DEFAULT_AUDIO_MAX_BYTES,
     DEFAULT_IMAGE_MAX_BYTES,
     DEFAULT_VIDEO_MAX_BYTES,

@@ -21,7 +21,7 @@ import pytest
 
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.fetch import MediaFetcher
-from mmgate.settings import FetchSettings
+from mmgate.config.settings import FetchSettings
 from tests.media.netfakes import FakeResolver, LoopbackOnlyBackend
 
 x509 = pytest.importorskip("cryptography.x509")

@@ -33,11 +33,12 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from mmgate.errors import GatewayError
-from mmgate.launch import free_port
+from mmgate.cli.launch import free_port
 from mmgate.media.data_url import decode_data_url
 from mmgate.media.image import decode_image
 from mmgate.models.qwen_vl import QwenVLFamily, QwenVLImage, image_params_from_config
-from mmgate.settings import FetchSettings, ImageBackend, Settings
+from mmgate.config.settings import FetchSettings, Settings
+from mmgate.models.backend import ImageBackend
 from tests.conftest import bundle_dir
 from tests.support.servers import gateway_in_thread
 

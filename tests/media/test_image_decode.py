@@ -23,7 +23,7 @@ from transformers.image_utils import load_image
 
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.image import decode_image
-from mmgate.settings import FetchSettings
+from mmgate.config.settings import FetchSettings
 
 MAX_PIXELS = FetchSettings().max_image_pixels
 RNG = np.random.default_rng(1234)

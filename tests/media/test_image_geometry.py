@@ -20,7 +20,7 @@ from PIL import Image
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.image import decode_image
 from mmgate.models.qwen_vl import QwenVLFamily, QwenVLImage, image_params_from_config
-from mmgate.settings import ImageBackend
+from mmgate.models.backend import ImageBackend
 
 #: processor values of the corpus profiles (transformers class defaults for qwen2_vl)
 PROFILES: dict[str, dict[str, Any]] = {

@@ -32,7 +32,7 @@ import pytest
 from mmgate.models import geometry, patch_native
 from mmgate.models.image_rows import RowNormalizer, image_rows, write_rows
 from mmgate.models.video_pixels import normalize_rows, patchify_video
-from mmgate.settings import ImageBackend
+from mmgate.models.backend import ImageBackend
 from mmgate.transport.placement import BufferTarget, new_bytes
 
 needs_native = pytest.mark.skipif(not patch_native.NATIVE, reason="mmgate._native.patchrows is not built")

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from mmgate.launch import free_port
-from mmgate.settings import Settings
+from mmgate.cli.launch import free_port
+from mmgate.config.settings import Settings
 from tests.conftest import bundle_dir
 from tests.media.gateways import RoutedResolver, ssrf_gateway
 from tests.media.hostile_urls import LOOPBACK_HOSTS, NON_PUBLIC_URLS

@@ -65,7 +65,8 @@ from mmgate.chat.tokenizer import load_tokenizer
 from mmgate.errors import GatewayError
 from mmgate.models.bundle import load_bundle
 from mmgate.models.registry import load_family
-from mmgate.settings import FetchSettings, ImageBackend
+from mmgate.config.settings import FetchSettings
+from mmgate.models.backend import ImageBackend
 from mmgate.types import ItemHints
 from tests.video.video_support import (
     QWEN2_5,

@@ -76,7 +76,8 @@ def run_images(jobs: list[dict], out: dict) -> None:
     from mmgate.models.family import assemble
     from mmgate.models.geometry import resolve_backend
     from mmgate.models.registry import load_family
-    from mmgate.settings import FetchSettings, ImageBackend
+    from mmgate.config.settings import FetchSettings
+    from mmgate.models.backend import ImageBackend
     from mmgate.types import ItemHints
 
     families: dict[str, Any] = {}
@@ -99,7 +100,8 @@ def run_images(jobs: list[dict], out: dict) -> None:
 def run_requests(jobs: list[dict], out: dict) -> None:
     from mmgate.gateway.state import build_state
     from mmgate.request.parse import parse_chat_request
-    from mmgate.settings import ImageBackend, Settings, VideoSettings
+    from mmgate.config.settings import Settings, VideoSettings
+    from mmgate.models.backend import ImageBackend
 
     for job in jobs:
         # The reference's pyav loader keeps the stored orientation, so rotation is not applied.

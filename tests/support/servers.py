@@ -17,8 +17,8 @@ from fastapi import FastAPI
 from mmgate.api.app import create_app
 from mmgate.gateway.state import GatewayState, build_state
 from mmgate.api.server import uvicorn_config
-from mmgate.launch import free_port, gateway_answers
-from mmgate.settings import Settings
+from mmgate.cli.launch import free_port, gateway_answers
+from mmgate.config.settings import Settings
 
 
 @dataclass

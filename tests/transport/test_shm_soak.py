@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmgate.launch import Child, start_engine, start_gateway
+from mmgate.cli.launch import Child, start_engine, start_gateway
 from mmgate.transport.shm import PREFIX, SHM_DIR
 from tests.conftest import bundle_dir
 

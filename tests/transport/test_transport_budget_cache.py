@@ -21,9 +21,9 @@ import pytest
 import torch
 from PIL import Image
 
-from mmgate.budget import InflightBudget
+from mmgate.pipeline.budget import InflightBudget
 from mmgate.errors import ErrorCode, GatewayError
-from mmgate.settings import FetchSettings, Settings, TensorTransport, TransportSettings
+from mmgate.config.settings import FetchSettings, Settings, TensorTransport, TransportSettings
 from mmgate.transport.dtypes import EncoderDtype, to_bfloat16_bits, to_float16
 from mmgate.transport.shm import PREFIX, SHM_DIR
 from tests.conftest import bundle_dir
@@ -250,7 +250,7 @@ def test_budget_grants_in_order_as_bytes_are_released() -> None:
 
 
 def test_unbounded_budget_and_zero_budget_refused_at_start_up() -> None:
-    from mmgate.settings import parse_settings
+    from mmgate.config.settings import parse_settings
 
     assert parse_settings(["--model", "m"], {}).transport.max_inflight_bytes is None
     with pytest.raises(SystemExit):
@@ -358,7 +358,7 @@ def test_deferred_pixels_are_computed_into_the_request_bytes_and_the_segment(raw
 def test_failed_segment_falls_back_to_inline_and_is_counted(monkeypatch: pytest.MonkeyPatch) -> None:
     from smg_grpc_proto.generated import vllm_engine_pb2
 
-    from mmgate import metrics
+    from mmgate.observe import metrics
     from mmgate.engines.vllm import build_generate_request, encode_generate_request
     from mmgate.transport import shm
     from mmgate.transport.policy import WirePlan
@@ -417,7 +417,7 @@ def test_segment_write_failure_during_the_fill_falls_back_to_inline(worker: Fake
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """/dev/shm filling up while the rows are written: the request is encoded again inline, answers 200
     with the same tensors, the failure is counted and no segment is left."""
-    from mmgate import metrics
+    from mmgate.observe import metrics
     from mmgate.transport import shm
 
     body = chat([data_url(png(300, 200, 4))])

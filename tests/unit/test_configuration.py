@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from mmgate.config_docs import DOC_PATH, render
-from mmgate.options import groups, option_record
+from mmgate.config.docs import DOC_PATH, render
+from mmgate.config.options import groups, option_record
 from mmgate.refengine.config import build_arg_parser, parse_args
-from mmgate.settings import Settings, build_parser, parse_settings
+from mmgate.config.settings import Settings, build_parser, parse_settings
 from mmgate.sidecar.config import processing_config
 from mmgate.sidecar.server import build_parser as sidecar_parser
 
@@ -38,7 +38,7 @@ def test_the_committed_configuration_page_is_the_rendered_definitions() -> None:
     assert DOC_PATH == Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
     assert DOC_PATH.read_text(encoding="utf-8") == render(), (
         "docs/configuration.md drifted from the option definitions: "
-        "python -m mmgate.config_docs > docs/configuration.md")
+        "python -m mmgate.config.docs > docs/configuration.md")
 
 
 def test_the_page_lists_every_flag_of_the_three_commands_under_its_command() -> None:

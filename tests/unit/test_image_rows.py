@@ -14,7 +14,7 @@ import pytest
 
 from mmgate.models import geometry
 from mmgate.models.image_rows import RowNormalizer, image_rows, patch_rows_u8, write_rows
-from mmgate.settings import ImageBackend
+from mmgate.models.backend import ImageBackend
 
 CLIP = ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))
 HALF = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))

@@ -9,7 +9,7 @@ import pytest
 from mmgate.errors import ERROR_TABLE, ErrorCode, GatewayError
 from mmgate.media.fetch import check_scheme, decode_data_url, is_public_address
 from mmgate.models.geometry import smart_resize
-from mmgate.planning import splice_anchors
+from mmgate.pipeline.planning import splice_anchors
 from mmgate.types import PlaceholderRange
 
 PAYLOAD = bytes(range(256)) * 3

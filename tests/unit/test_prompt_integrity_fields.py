@@ -19,7 +19,7 @@ import pytest
 from mmgate.gateway.state import build_state
 from mmgate.request.parse import parse_chat_request
 from mmgate.errors import GatewayError
-from mmgate.settings import Settings
+from mmgate.config.settings import Settings
 from tests.conftest import bundle_dir
 
 BUNDLES = ["Qwen/Qwen2-VL-2B-Instruct", "Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen3-VL-2B-Instruct"]

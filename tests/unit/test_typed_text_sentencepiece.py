@@ -17,7 +17,7 @@ import pytest
 
 from mmgate.gateway.state import build_state
 from mmgate.request.parse import parse_chat_request
-from mmgate.settings import Settings
+from mmgate.config.settings import Settings
 from tests.conftest import bundle_dir
 
 BUNDLES = ["llava-hf/llava-1.5-7b-hf", "llava-hf/llava-v1.6-mistral-7b-hf"]

@@ -23,7 +23,7 @@ from PIL import Image
 
 from mmgate.models import geometry
 from mmgate.models.qwen_vl_frames import long_side_bound
-from mmgate.settings import FrameSampling
+from mmgate.models.backend import FrameSampling
 from mmgate.types import ItemHints, VideoMeta
 from tests.support.servers import media_origin
 from tests.video.video_support import (

@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from mmgate.request.parse import parse_chat_request
-from mmgate.pipeline import Pipeline
+from mmgate.pipeline.prepare import Pipeline
 from tests.video.video_support import (
     QWEN2_5,
     QWEN3,
@@ -74,7 +74,7 @@ def test_clip_image_clip_request_matches_the_processor_batch_by_batch(model: str
 def test_distinct_clips_are_preprocessed_concurrently_and_a_repeated_clip_once(clips: dict[str, Path]) -> None:
     """Two clips meet at a barrier inside preprocessing (it would time out if they ran one after the
     other); the same clip twice (same URL, same hints) is decoded and preprocessed once."""
-    import mmgate.pipeline as pipeline_module
+    import mmgate.pipeline.prepare as pipeline_module
 
     base = pipeline(QWEN3)
     family = base.runtime.family

@@ -24,7 +24,7 @@ import pytest
 from PIL import Image
 
 from mmgate.errors import ErrorCode, GatewayError
-from mmgate.settings import FrameSampling
+from mmgate.models.backend import FrameSampling
 from tests.support.servers import media_origin
 from tests.video.video_support import (
     QWEN2,

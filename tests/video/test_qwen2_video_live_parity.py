@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mmgate.settings import FrameSampling
+from mmgate.models.backend import FrameSampling
 from mmgate.types import ItemHints, VideoMeta
 from tests.support.vllm_video import VLLM_FPS, vllm_qwen2_indices
 from tests.video.video_support import (

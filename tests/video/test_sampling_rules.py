@@ -24,7 +24,7 @@ import pytest
 
 from mmgate.errors import GatewayError
 from mmgate.models.qwen_vl_frames import QWEN3_VIDEO, sample_indices, torch_arange_int
-from mmgate.settings import FrameSampling
+from mmgate.models.backend import FrameSampling
 from mmgate.types import ItemHints, VideoMeta
 from tests.support.vllm_video import VLLM_FPS, vllm_qwen2_indices
 from tests.video.video_support import (

@@ -29,7 +29,7 @@ import pytest
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.video import decode_video
 from mmgate.models.qwen_vl_frames import qwen3_timestamps
-from mmgate.settings import FrameSampling
+from mmgate.models.backend import FrameSampling
 from mmgate.types import DecodedVideo, ItemHints
 from tests.video.video_support import (
     CLIPS,

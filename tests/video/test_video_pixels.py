@@ -20,7 +20,7 @@ import pytest
 
 from mmgate.models import geometry
 from mmgate.models.video_pixels import FrameProcessor, patchify_video
-from mmgate.settings import ImageBackend
+from mmgate.models.backend import ImageBackend
 from tests.conftest import bundle_dir
 from tests.video.video_support import frame_pixels
 
@@ -92,7 +92,8 @@ def test_video_backend_is_torchvision_whatever_the_image_backend_and_imports_no_
     script = (
         "import sys\n"
         "from mmgate.gateway.state import build_state\n"
-        "from mmgate.settings import ImageBackend, Settings\n"
+        "from mmgate.config.settings import Settings\n"
+        "from mmgate.models.backend import ImageBackend\n"
         f"state = build_state(Settings(model={str(bundle_dir('Qwen/Qwen3-VL-2B-Instruct'))!r}, "
         "image_backend=ImageBackend.PIL))\n"
         "print(state.runtime.family.video.backend.value, 'torch' in sys.modules)\n"

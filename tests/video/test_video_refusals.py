@@ -22,9 +22,10 @@ import pytest
 
 from mmgate.request.parse import parse_chat_request
 from mmgate.errors import ErrorCode, GatewayError
-from mmgate.launch import free_port
-from mmgate.pipeline import Pipeline
-from mmgate.settings import FetchSettings, FrameSampling, Settings, VideoSettings
+from mmgate.cli.launch import free_port
+from mmgate.pipeline.prepare import Pipeline
+from mmgate.config.settings import FetchSettings, Settings, VideoSettings
+from mmgate.models.backend import FrameSampling
 from tests.conftest import bundle_dir
 from tests.support.servers import gateway_in_thread, media_origin
 from tests.video.video_support import QWEN2_5, QWEN3, data_url, loopback_gateway, pipeline, video_part
@@ -153,7 +154,7 @@ def test_a_request_that_fails_stops_its_video_decoding(clips: dict[str, Path], m
     otherwise run on to its deadline), and a decode told to stop refuses at its next frame."""
     import threading
 
-    from mmgate import pipeline as pipeline_module
+    from mmgate.pipeline import prepare as pipeline_module
     from mmgate.media.video import decode_video
 
     clip = clips["f60_30fps"]

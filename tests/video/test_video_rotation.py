@@ -30,8 +30,8 @@ import pytest
 from mmgate.request.parse import parse_chat_request
 from mmgate.media.fetch import MediaFetcher
 from mmgate.media.video import decode_video, upright_turns
-from mmgate.pipeline import Pipeline
-from mmgate.settings import Settings, VideoSettings, parse_settings
+from mmgate.pipeline.prepare import Pipeline
+from mmgate.config.settings import Settings, VideoSettings, parse_settings
 from mmgate.types import PreparedRequest
 from tests.video.video_support import (
     MODELS,

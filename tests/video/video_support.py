@@ -38,13 +38,14 @@ import numpy as np
 
 from mmgate.request.parse import parse_chat_request
 from mmgate.chat.tokenizer import load_tokenizer
-from mmgate.launch import free_port
+from mmgate.cli.launch import free_port
 from mmgate.media.fetch import MediaFetcher
 from mmgate.models.bundle import load_bundle
 from mmgate.models.registry import load_family
-from mmgate.pipeline import Pipeline
-from mmgate.runtime import ModelRuntime
-from mmgate.settings import FetchSettings, FrameSampling, ImageBackend, Settings, VideoSettings
+from mmgate.pipeline.prepare import Pipeline
+from mmgate.pipeline.runtime import ModelRuntime
+from mmgate.config.settings import FetchSettings, Settings, VideoSettings
+from mmgate.models.backend import FrameSampling, ImageBackend
 from mmgate.types import PreparedRequest
 from tests.conftest import bundle_dir
 from tests.support.servers import gateway_in_thread

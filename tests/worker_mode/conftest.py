@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from mmgate.launch import Child, start_engine
-from mmgate.settings import FetchSettings, MmProcessing, Settings
+from mmgate.cli.launch import Child, start_engine
+from mmgate.config.settings import FetchSettings, MmProcessing, Settings
 from tests.conftest import bundle_dir
 from tests.worker_mode.support import (
     MODEL,

@@ -36,8 +36,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from mmgate.api.app import create_app
 from mmgate.gateway.state import GatewayState, build_state
-from mmgate.launch import free_port, gateway_answers
-from mmgate.settings import Settings
+from mmgate.cli.launch import free_port, gateway_answers
+from mmgate.config.settings import Settings
 
 MODEL = "Qwen/Qwen2-VL-2B-Instruct"
 

@@ -16,8 +16,9 @@ import grpc
 import msgspec
 import pytest
 
-from mmgate.routing.mm_processing import Decision, Mode, Reason, data_url_bytes, decide, forwardable, struct_hints
-from mmgate.settings import FetchSettings, MmProcessing, Settings, parse_settings
+from mmgate.media.ref_sizes import data_url_bytes
+from mmgate.routing.mm_processing import Decision, Mode, Reason, decide, forwardable, struct_hints
+from mmgate.config.settings import FetchSettings, MmProcessing, Settings, parse_settings
 from tests.conftest import bundle_dir
 from tests.worker_mode.support import (
     MODEL,

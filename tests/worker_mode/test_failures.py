@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from mmgate.launch import free_port
+from mmgate.cli.launch import free_port
 from tests.worker_mode.conftest import Stack
 from tests.worker_mode.support import Gateway, Origin, chat, data_url, image_bytes, image_part
 

@@ -30,11 +30,11 @@ import pytest
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from mmgate.chat.tokenizer import load_tokenizer
-from mmgate.launch import free_port
+from mmgate.cli.launch import free_port
 from mmgate.models.bundle import load_bundle
 from mmgate.models.registry import FAMILY_BY_MODEL_TYPE, check_servable, load_family, media_markers
 from mmgate.refengine.bundle import check_engine_bundle
-from mmgate.settings import ImageBackend
+from mmgate.models.backend import ImageBackend
 from mmgate.types import Modality
 from tests.conftest import bundle_dir
 from tests.worker_mode.conftest import Stack, Workers, start_workers, worker_gateways

@@ -15,7 +15,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
-from mmgate import metrics, timing_log
+from mmgate.observe import metrics, timing_log
 from mmgate.routing.dispatchers import dispatcher_for
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ async def start_chat(state: GatewayState, req: ChatCompletionRequest) -> EngineA
 
     Observes ``mmgate_time_to_first_token_seconds`` (streamed requests) and the ``engine_first_response``
     stage; with ``--log-mm-timing`` a media request's events and its ``smg_mm_timing`` line are written
-    (:mod:`mmgate.timing_log`).
+    (:mod:`mmgate.observe.timing_log`).
 
     Raises:
         GatewayError: any refusal of the pipeline, the worker selection or the engine.

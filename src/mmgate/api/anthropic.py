@@ -37,7 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from tokenizers.decoders import DecodeStream
 
-from mmgate import metrics
+from mmgate.observe import metrics
 from mmgate.api.answer import start_chat
 from mmgate.api.disconnect import until_disconnect
 from mmgate.api.http import error_response, parse_off_loop, request_body

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mmgate import metrics
+from mmgate.observe import metrics
 from mmgate.api.anthropic import anthropic_error_response, is_anthropic_path, register_anthropic
 from mmgate.api.chat_completions import register_chat_completions
 from mmgate.api.http import body_limit_for, error_response, framework_error

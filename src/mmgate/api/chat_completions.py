@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from mmgate import metrics
+from mmgate.observe import metrics
 from mmgate.api.answer import start_chat
 from mmgate.api.disconnect import until_disconnect
 from mmgate.api.http import parse_off_loop, request_body

@@ -22,7 +22,7 @@ from collections.abc import Awaitable
 from fastapi import Request
 from fastapi.responses import Response
 
-from mmgate import metrics
+from mmgate.observe import metrics
 
 log = logging.getLogger("mmgate.api")
 

@@ -19,10 +19,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
-from mmgate import metrics
+from mmgate.observe import metrics
 from mmgate.api.responses import EngineStreamingResponse
 from mmgate.errors import ErrorCode, GatewayError
-from mmgate.settings import HttpSettings, Settings
+from mmgate.config.settings import HttpSettings, Settings
 
 if TYPE_CHECKING:
     from mmgate.gateway.state import GatewayState
@@ -134,7 +134,7 @@ async def parse_off_loop(state: GatewayState, parse: Callable[[bytes], T], body:
 
 @dataclass(slots=True)
 class RequestBody:
-    """A request's body and its hold on the idle trimmer (:meth:`mmgate.memory.IdleTrimmer.hold`).
+    """A request's body and its hold on the idle trimmer (:meth:`mmgate.pipeline.memory.IdleTrimmer.hold`).
 
     The hold ends when the request is done: when its handler returns, or, for a streamed answer handed to
     :meth:`answer`, when the stream ends, however it ends (finished, failed, the client gone): the parsed

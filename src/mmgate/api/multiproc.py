@@ -1,6 +1,6 @@
 """``mmgate serve --workers N``: N full gateway processes serving one port.
 
-Stage: process management, before any request.  In: the parsed :class:`~mmgate.settings.Settings`
+Stage: process management, before any request.  In: the parsed :class:`~mmgate.config.settings.Settings`
 and the ``serve`` argument list; out: N child processes, each a complete gateway (``build_state`` +
 ``create_app`` + uvicorn) on its own ``SO_REUSEPORT`` listening socket of the same address, so the
 kernel spreads new connections over them.  ``--workers 1`` (the default) never comes here:
@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from mmgate.settings import Settings
+from mmgate.config.settings import Settings
 from mmgate.transport.shm import pid_alive
 
 log = logging.getLogger("mmgate.multiproc")
@@ -318,8 +318,8 @@ def publish_quarantined(metrics_dir: str, count: int) -> None:
         return
     from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
-    from mmgate.metrics import SERVE_CHILDREN_QUARANTINED_HELP as HELP
-    from mmgate.metrics import SERVE_CHILDREN_QUARANTINED_NAME as NAME
+    from mmgate.observe.metrics import SERVE_CHILDREN_QUARANTINED_HELP as HELP
+    from mmgate.observe.metrics import SERVE_CHILDREN_QUARANTINED_NAME as NAME
 
     values = MmapedDict(str(Path(metrics_dir) / f"gauge_max_{os.getpid()}.db"))
     try:

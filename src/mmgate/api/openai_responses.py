@@ -42,7 +42,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from mmgate import metrics
+from mmgate.observe import metrics
 from mmgate.api.answer import start_chat
 from mmgate.api.choice_text import ChoiceText
 from mmgate.api.disconnect import until_disconnect

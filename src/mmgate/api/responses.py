@@ -26,7 +26,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from mmgate import metrics
+from mmgate.observe import metrics
 from mmgate.api.choice_text import ChoiceText
 from mmgate.api.output_parsing import PLAIN, OutputParsing
 from mmgate.chat.tokenizer import BundleTokenizer

@@ -40,7 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from mmgate.api.multiproc import ORPHAN_GRACE_S, PROCESS_HEADER
-from mmgate.settings import Settings, parse_settings
+from mmgate.config.settings import Settings, parse_settings
 
 log = logging.getLogger("mmgate.multiproc")
 

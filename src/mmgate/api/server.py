@@ -40,9 +40,9 @@ import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from mmgate import metrics
+from mmgate.observe import metrics
 from mmgate.errors import ErrorCode, GatewayError
-from mmgate.settings import HttpSettings, Settings
+from mmgate.config.settings import HttpSettings, Settings
 
 log = logging.getLogger("mmgate.api.server")
 

@@ -37,13 +37,13 @@ from smg_grpc_proto.generated import (
     vllm_engine_pb2,
 )
 
-from mmgate import metrics
+from mmgate.observe import metrics
 from mmgate.engines import sglang, tokenspeed, vllm
 from mmgate.engines.base import Bootstrap, EncodedRequest, EngineEvent, Role, Wire
 from mmgate.engines.probe import SERVICES
 from mmgate.engines.rpc_errors import map_rpc_error
 from mmgate.errors import ErrorCode, GatewayError
-from mmgate.settings import TransportSettings
+from mmgate.config.settings import TransportSettings
 from mmgate.transport.dtypes import EncoderDtype
 from mmgate.transport.policy import WirePlan, wire_plan
 from mmgate.transport.shm import ShmError, ShmLease
@@ -257,7 +257,7 @@ class TokenSpeedAdapter(WireAdapter):
     def plan(self, transport: TransportSettings, labels: Mapping[str, str]) -> WirePlan:
         """The common plan, with the environment's per-modality encoder dtypes ahead of the worker's label
         (``SMG_TOKENSPEED_{IMAGE,VIDEO,AUDIO}_ENCODER_INPUT_DTYPE``, ``SMG_TOKENSPEED_ENCODER_INPUT_DTYPE``:
-        :func:`mmgate.settings.tokenspeed_encoder_dtypes`)."""
+        :func:`mmgate.config.settings.tokenspeed_encoder_dtypes`)."""
         return replace(super().plan(transport, labels), modality_encoder_dtypes=tuple(
             (Modality(modality), EncoderDtype(dtype)) for modality, dtype in transport.tokenspeed_encoder_dtypes))
 

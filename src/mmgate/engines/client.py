@@ -42,7 +42,7 @@ from mmgate.engines.base import (
 )
 from mmgate.engines.probe import DETECTION_ORDER, SERVICES, WireService
 from mmgate.errors import ErrorCode, GatewayError
-from mmgate.settings import KeepaliveSettings
+from mmgate.config.settings import KeepaliveSettings
 from mmgate.transport.limits import GRPC_MAX_MESSAGE_BYTES
 
 log = logging.getLogger("mmgate.engines")

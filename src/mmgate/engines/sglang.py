@@ -51,7 +51,7 @@ import grpc
 import numpy as np
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from mmgate import metrics
+from mmgate.observe import metrics
 from mmgate.engines.base import (
     Bootstrap,
     EncodedRequest,

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 import numpy as np
 from smg_grpc_proto.generated import vllm_engine_pb2
 
-from mmgate import metrics
+from mmgate.observe import metrics
 from mmgate.engines.base import EncodedRequest, EngineEvent
 from mmgate.engines.codec import VLLM_PIXEL_TAGS, Tail, join_tail
 from mmgate.engines.responses import response_events

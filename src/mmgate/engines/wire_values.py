@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 from smg_grpc_proto.generated import common_pb2
 
-from mmgate import metrics, timing_log
+from mmgate.observe import metrics, timing_log
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.transport import shm
 from mmgate.transport.dtypes import EncoderDtype, to_bfloat16_bits, to_float16

@@ -1,4 +1,4 @@
-"""The gateway's state: everything a running gateway holds, built once from :class:`~mmgate.settings.Settings`.
+"""The gateway's state: everything a running gateway holds, built once from :class:`~mmgate.config.settings.Settings`.
 
 Stage: start-up.  In: the parsed settings; out: a :class:`GatewayState` (the served model's runtime, the
 pipeline, the worker registry, the media fetcher, the preprocessing pool, the in-flight budget).  Below
@@ -14,18 +14,19 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from mmgate import memory
-from mmgate.budget import InflightBudget
-from mmgate.cache import PixelCache
+from mmgate.pipeline import memory
+from mmgate.pipeline.budget import InflightBudget
+from mmgate.pipeline.cache import PixelCache
 from mmgate.chat.tokenizer import load_tokenizer
 from mmgate.media.fetch import MediaFetcher
 from mmgate.models.bundle import resolve_bundle
 from mmgate.models.geometry import resolve_backend
 from mmgate.models.registry import load_family
-from mmgate.pipeline import Pipeline
+from mmgate.pipeline.prepare import Pipeline
 from mmgate.routing.workers import WorkerRegistry
-from mmgate.runtime import ModelRuntime
-from mmgate.settings import ImageBackend, Settings
+from mmgate.pipeline.runtime import ModelRuntime
+from mmgate.config.settings import Settings
+from mmgate.models.backend import ImageBackend
 from mmgate.transport.shm import sweep_dead_segments
 
 log = logging.getLogger("mmgate.api")

@@ -44,7 +44,7 @@ from mmgate.media.addresses import (
 )
 from mmgate.media.connect import PIN_EXTENSION, Pin, PinnedTransport
 from mmgate.media.data_url import decode_data_url
-from mmgate.settings import FetchSettings
+from mmgate.config.settings import FetchSettings
 
 __all__ = ["ALLOWED_SCHEMES", "MediaFetcher", "Resolver", "check_scheme", "decode_data_url", "is_public_address",
            "system_resolver", "url_scheme"]

@@ -36,7 +36,7 @@ from mmgate.models.bundle import ModelBundle
 
 #: ``sink(first_row, rows)``: receives each finished block ``[b, width]`` (a reused buffer: copy it)
 from mmgate.models.image_rows import RowSink  # noqa: E402  (re-exported for families)
-from mmgate.settings import FrameSampling, ImageBackend
+from mmgate.models.backend import FrameSampling, ImageBackend
 from mmgate.types import (
     DecodedImage,
     DecodedVideo,

@@ -64,7 +64,7 @@ from mmgate.models.bundle import ModelBundle
 from mmgate.models.family import ImageOnlyFamily
 from mmgate.models.image_rows import RowNormalizer
 from mmgate.models.processor_options import check_option_types, option_error
-from mmgate.settings import FrameSampling, ImageBackend
+from mmgate.models.backend import FrameSampling, ImageBackend
 from mmgate.types import (
     DecodedImage,
     ItemHints,

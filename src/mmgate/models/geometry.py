@@ -31,7 +31,7 @@ from PIL import Image
 
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.tv_resize import resize_uint8_tv
-from mmgate.settings import ImageBackend
+from mmgate.models.backend import ImageBackend
 
 #: transformers ``PILImageResampling`` values (= Pillow's)
 RESAMPLE_NEAREST, RESAMPLE_LANCZOS, RESAMPLE_BILINEAR, RESAMPLE_BICUBIC = 0, 1, 2, 3

@@ -53,7 +53,7 @@ from mmgate.models import geometry
 from mmgate.models.bundle import ModelBundle
 from mmgate.models.family import ImageOnlyFamily
 from mmgate.models.image_rows import RowNormalizer
-from mmgate.settings import FrameSampling, ImageBackend
+from mmgate.models.backend import FrameSampling, ImageBackend
 from mmgate.types import (
     DecodedImage,
     ItemHints,

@@ -59,7 +59,7 @@ from mmgate.models.llava import (
     image_tokens,
     normalizer_for,
 )
-from mmgate.settings import FrameSampling, ImageBackend
+from mmgate.models.backend import FrameSampling, ImageBackend
 from mmgate.types import (
     DecodedImage,
     ItemHints,

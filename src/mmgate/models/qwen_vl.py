@@ -38,7 +38,7 @@ from mmgate.models.image_rows import RowNormalizer, RowSink, image_rows, write_r
 from mmgate.models.qwen_vl_frames import long_side_bound, video_config, video_params
 from mmgate.models.qwen_vl_kwargs import TAKES_OPTIONS, check_options, sized
 from mmgate.models.qwen_vl_video import QwenVLVideo
-from mmgate.settings import FrameSampling, ImageBackend
+from mmgate.models.backend import FrameSampling, ImageBackend
 from mmgate.types import (
     DecodedImage,
     ItemHints,

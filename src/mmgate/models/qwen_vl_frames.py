@@ -27,7 +27,7 @@ import numpy as np
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.models import geometry
 from mmgate.models.qwen_vl_kwargs import FrameRequest, frame_request
-from mmgate.settings import FrameSampling
+from mmgate.models.backend import FrameSampling
 from mmgate.types import ItemHints, VideoMeta
 
 QWEN2_VIDEO = "Qwen2VLVideoProcessor"

@@ -57,7 +57,7 @@ from mmgate.models.qwen_vl_frames import (
 )
 from mmgate.models.qwen_vl_kwargs import TAKES_OPTIONS, check_options, frame_request, sized
 from mmgate.models.video_pixels import FrameProcessor
-from mmgate.settings import ImageBackend
+from mmgate.models.backend import ImageBackend
 from mmgate.types import (
     DecodedVideo,
     ItemHints,

@@ -21,7 +21,7 @@ import importlib
 from mmgate.chat.tokenizer import BundleTokenizer
 from mmgate.models.bundle import ModelBundle
 from mmgate.models.family import Family, FamilyClass
-from mmgate.settings import FrameSampling, ImageBackend
+from mmgate.models.backend import FrameSampling, ImageBackend
 
 __all__ = ["FAMILY_BY_MODEL_TYPE", "FAMILY_MODULES", "Family", "FamilyClass", "check_servable", "load_family",
            "media_markers", "registered_families", "supports_vision"]

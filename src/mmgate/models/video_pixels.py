@@ -26,7 +26,7 @@ import numpy as np
 
 from mmgate.models import geometry, patch_native
 from mmgate.models.image_rows import BLOCK_ROWS, RowNormalizer
-from mmgate.settings import ImageBackend
+from mmgate.models.backend import ImageBackend
 
 #: (gt, T, gh/m, m_h, p_h, gw/m, m_w, p_w, C) -> (gt, gh/m, gw/m, m_h, m_w, C, T, p_h, p_w): the reference's
 #: ``permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)`` of ``(B, gt, T, C, gh/m, m, p, gw/m, m, p)``, from channels-last

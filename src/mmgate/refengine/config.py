@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mmgate.engines.base import Role, Wire
-from mmgate.options import add_option, resolve
+from mmgate.config.options import add_option, resolve
 from mmgate.refengine.mm_config import MmProcessorConfig, add_mm_arguments, mm_config
-from mmgate.settings import ENCODER_DTYPES
+from mmgate.config.settings import ENCODER_DTYPES, add_model_options
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +55,8 @@ class EngineConfig:
     model_workers: int = 1  # threads running model code (one request at a time per thread)
     rpc_workers: int = 64  # Generate streams at once (each holds a gRPC thread; the pool has a few more for health)
     device_normalize: bool = False  # take raw uint8 pixels and rescale+normalize here (mm_device_do_normalize)
-    encoder_dtype: str = "float32"  # advertised multimodal_encoder_dtype label
+    encoder_dtype: str = "float32"  # advertised multimodal_encoder_dtype label (--advertised-encoder-dtype)
+    log_level: str = "info"  # --log-level: level of the engine's loggers
     mm: MmProcessorConfig = field(default_factory=MmProcessorConfig)  # worker-side media processing
     record_dir: Path | None = None  # debug: write each request's final model inputs here (.npz)
     wire: Wire = Wire.VLLM  # the gRPC service served
@@ -84,8 +85,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
                     "transformers model, as a single engine or one leg of a disaggregated deployment.",
     )
     g = parser.add_argument_group("engine")
-    add_option(g, "--model", required=True, type=Path, metavar="DIR",
-               help="model bundle folder (config.json, tokenizer, optional weights)")
+    add_model_options(g, search_path=False)
     add_option(g, "--host", default="127.0.0.1", help="address the gRPC server listens on")
     add_option(g, "--port", type=int, default=0, minimum=0, help="gRPC port (0 picks a free port)")
     add_option(g, "--seed", type=int, default=0, help="seed for random weights")
@@ -94,8 +94,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     add_option(g, "--num-threads", type=int, default=2, help="torch CPU threads")
     add_option(g, "--mm-device-do-normalize", action="store_true", default=False,
                help="advertise mm_device_do_normalize: take uint8 pixels and normalize them here")
-    add_option(g, "--multimodal-encoder-dtype", choices=list(ENCODER_DTYPES), default="float32",
-               help="advertised multimodal_encoder_dtype label (the gateway's auto converts float tensors to it)")
+    add_option(g, "--advertised-encoder-dtype", "--multimodal-encoder-dtype", dest="advertised_encoder_dtype",
+               choices=list(ENCODER_DTYPES), default="float32",
+               help="multimodal_encoder_dtype label the engine reports (the gateway's --multimodal-encoder-dtype "
+                    "auto converts float tensors to it); --multimodal-encoder-dtype: its old, deprecated spelling")
     add_option(g, "--record-dir", type=Path, default=None, metavar="DIR",
                help="debug: write each request's final input_ids and model tensors to DIR/<request_id>.npz")
     d = parser.add_argument_group("disaggregation")
@@ -157,7 +159,8 @@ def parse_args(argv: list[str] | None, environ: Mapping[str, str] | None = None)
         max_tokens_default=ns.max_tokens_default,
         num_threads=ns.num_threads,
         device_normalize=ns.mm_device_do_normalize,
-        encoder_dtype=ns.multimodal_encoder_dtype,
+        encoder_dtype=ns.advertised_encoder_dtype,
+        log_level=ns.log_level,
         mm=mm_config(ns, parser, env),
         record_dir=ns.record_dir,
         wire=Wire(ns.wire),

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from mmgate.options import add_option
+from mmgate.config.options import add_option
 from mmgate.sidecar.config import ProcessingConfig, add_processing_arguments, processing_config
 from mmgate.sidecar.protocol import DEFAULT_REDIS_URL, ENV_REDIS_URL
 

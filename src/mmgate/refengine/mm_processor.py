@@ -38,8 +38,8 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
 
 from mmgate.engines.vllm import build_mm_inputs, carried_error_details
 from mmgate.errors import ERROR_TABLE, ErrorCode, GatewayError
+from mmgate.media.ref_sizes import check_ref_sizes
 from mmgate.refengine.mm_config import MmProcessorConfig, MmProcessorMode
-from mmgate.routing.mm_processing import check_ref_sizes
 from mmgate.sidecar.client import SidecarClient, SidecarRefused, SidecarUnavailable
 from mmgate.sidecar.processor import MediaProcessor, ProcessedPrompt, item_index, load_runtime, refs_from_items
 from mmgate.sidecar.protocol import Keys, default_namespace

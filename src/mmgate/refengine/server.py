@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         0 after a clean stop; 1 when the model cannot be loaded or the port bound.
     """
     config = parse_args(argv)
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(stream=sys.stderr, level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine = start_engine(config)
     except (OSError, ValueError, RuntimeError) as exc:

@@ -22,7 +22,7 @@ Roles, as smg-grpc-servicer 0.14.1 ``tokenspeed/server.py`` mounts them:
 Labels: GetModelInfo ``supported_modalities`` (``_static_supported_modalities``: image when the
 model has a vision tower, video too when its config has ``video_token_id``), ``supports_vision``,
 ``supports_multimodal``, ``model_dtype`` float32, ``multimodal_encoder_dtype`` the engine's
-``--multimodal-encoder-dtype``; GetServerInfo ``server_args.disaggregation_mode`` ``null`` /
+``--advertised-encoder-dtype``; GetServerInfo ``server_args.disaggregation_mode`` ``null`` /
 ``prefill`` / ``decode`` / ``encode``, ``disaggregation_bootstrap_port``,
 ``scheduler_info.shm_namespace_id`` (the SHM tensor transport's namespace check).
 ``--language-model-only``: no supported modality (``_static_supported_modalities`` answers none when

@@ -2,7 +2,7 @@
 
 Stage: api (``parse_chat_request`` -> :func:`mmgate.request.structured.request_constraint`).  In: one
 constraint's value as the request gives it (a JSON schema object, a regex, an EBNF grammar, the
-choices, a structural tag) and the gateway's :class:`~mmgate.settings.ConstraintLimits`; out:
+choices, a structural tag) and the gateway's :class:`~mmgate.config.settings.ConstraintLimits`; out:
 nothing, or a 400 ``invalid_request`` whose ``param`` names the field and whose message names the
 limit (never the caller's value).
 
@@ -18,7 +18,7 @@ request validation compiles the constraint to check it (``validate_xgrammar_gram
 here the cost is decided from the shape alone, by linear scans with explicit stacks (no recursion,
 nothing compiled).
 
-What is bounded (each a :class:`~mmgate.settings.ConstraintLimits` field and a ``--constraint-*`` flag):
+What is bounded (each a :class:`~mmgate.config.settings.ConstraintLimits` field and a ``--constraint-*`` flag):
 the text's characters; the JSON nesting of a schema or structural tag (also inside schema strings:
 JSON text is depth-scanned before it is decoded); the number of JSON objects in a schema; choices and
 enum / const values; the sum over a schema's objects of their optional properties squared; and, for
@@ -32,7 +32,7 @@ import re
 from typing import Any
 
 from mmgate.errors import ErrorCode, GatewayError
-from mmgate.settings import ConstraintLimits
+from mmgate.config.settings import ConstraintLimits
 
 
 def _refuse(param: str, what: str, limit: int, flag: str) -> GatewayError:

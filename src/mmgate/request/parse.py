@@ -14,7 +14,7 @@ import msgspec
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.request.protocol import ChatCompletionRequest, decode_chat_request
 from mmgate.request.structured import request_constraint
-from mmgate.settings import ConstraintLimits
+from mmgate.config.settings import ConstraintLimits
 
 
 def parse_chat_request(body: bytes, limits: ConstraintLimits = ConstraintLimits()) -> ChatCompletionRequest:

@@ -18,7 +18,7 @@ per tool (``$defs`` of the tools hoisted); a named function -> that function's
 
 Invariants: every refusal is a 400 ``invalid_request`` whose ``param`` names the
 field and whose message never quotes the caller's value.  With the gateway's
-:class:`~mmgate.settings.ConstraintLimits` (``parse_chat_request``), each constraint's
+:class:`~mmgate.config.settings.ConstraintLimits` (``parse_chat_request``), each constraint's
 shape is bounded before it is accepted (:mod:`mmgate.request.constraint_limits`): nothing a
 caller sends can make a worker's grammar compiler freeze or crash, and JSON text given in
 a string is depth-scanned before it is decoded.
@@ -37,7 +37,7 @@ import msgspec
 from mmgate.request import constraint_limits as bounds
 from mmgate.request.protocol import ChatCompletionRequest, NamedToolChoice, Tool, check_json_depth
 from mmgate.errors import ErrorCode, GatewayError
-from mmgate.settings import CONSTRAINT_DEPTH_CEILING, ConstraintLimits
+from mmgate.config.settings import CONSTRAINT_DEPTH_CEILING, ConstraintLimits
 from mmgate.types import Constraint, ConstraintKind
 
 #: ``response_format.type`` values (OpenAI's three)
@@ -69,7 +69,7 @@ def _refuse(message: str, param: str) -> GatewayError:
 
 def _json_document(value: Any, param: str, limits: ConstraintLimits | None) -> Any:
     """``value``, or the JSON text it holds decoded once its nesting is known to be within the depth bound
-    (``limits.max_depth``; without limits :data:`~mmgate.settings.CONSTRAINT_DEPTH_CEILING`), so the
+    (``limits.max_depth``; without limits :data:`~mmgate.config.settings.CONSTRAINT_DEPTH_CEILING`), so the
     decoder never recurses past it."""
     if not isinstance(value, str):
         return value

@@ -7,7 +7,7 @@ In: the parsed chat request, the served model's family and the worker registry; 
 Each content part is one kind of media of the capability matrix
 (:mod:`mmgate.engines.capabilities`): ``image_url`` image, ``video_url`` video, ``input_audio``
 audio, ``image_embeds`` image embeds.  A kind the model's family does not take at all is left to
-planning, which refuses it with its own message (``mmgate.planning``); every other kind must be
+planning, which refuses it with its own message (``mmgate.pipeline.planning``); every other kind must be
 taken by some registered worker: its wire's row of the matrix and its model
 (:meth:`mmgate.routing.workers.WorkerRegistry.check_kinds`).  Image embeds have no pipeline stage
 and no wire carries them: they are always refused here, so planning never sees them.

@@ -10,11 +10,11 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from mmgate.budget import InflightBudget
-from mmgate.pipeline import Pipeline
+from mmgate.pipeline.budget import InflightBudget
+from mmgate.pipeline.prepare import Pipeline
 from mmgate.routing.workers import WorkerRegistry
-from mmgate.runtime import ModelRuntime
-from mmgate.settings import Settings
+from mmgate.pipeline.runtime import ModelRuntime
+from mmgate.config.settings import Settings
 
 
 class DispatchContext(Protocol):

@@ -54,7 +54,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from mmgate import metrics, timing_log
+from mmgate.observe import metrics, timing_log
 from mmgate.engines.adapter import WireAdapter
 from mmgate.engines.base import Bootstrap, EncodedRequest, EngineEvent, Role
 from mmgate.errors import ErrorCode, GatewayError

@@ -10,7 +10,7 @@ request is :func:`mmgate.routing.dispatchers.dispatcher_for`'s.
 
 Every dispatcher ends in :func:`finish`: wait for the first response (its ``engine_first_response``
 stage), release the worker slot and close the stream when that wait fails, free what the engine has read,
-write the request's timing line (:func:`mmgate.timing_log.request_done`) and the response headers every
+write the request's timing line (:func:`mmgate.observe.timing_log.request_done`) and the response headers every
 API shape sends (``X-Request-Id``, ``X-Mmgate-Stage-Ms``, a dispatcher's own).
 """
 
@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequen
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mmgate import metrics, timing_log
+from mmgate.observe import metrics, timing_log
 from mmgate.engines.base import EngineEvent
 from mmgate.errors import GatewayError
 from mmgate.routing.mm_processing import Mode
@@ -65,7 +65,7 @@ class Dispatcher(ABC):
 
 @dataclass(frozen=True, slots=True)
 class Tally:
-    """What a dispatched request's timing line says of it (:func:`mmgate.timing_log.request_done`)."""
+    """What a dispatched request's timing line says of it (:func:`mmgate.observe.timing_log.request_done`)."""
 
     mode: Mode  # router: media processed here; worker: media references forwarded
     counts: timing_log.MediaCounts

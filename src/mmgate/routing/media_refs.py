@@ -24,13 +24,13 @@ from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
-from mmgate import metrics, timing_log
+from mmgate.observe import metrics, timing_log
 from mmgate.errors import ErrorCode, GatewayError
+from mmgate.media.ref_sizes import check_ref_sizes
 from mmgate.routing.dispatch import Dispatcher, EngineAnswer, Tally, finish
 from mmgate.routing.mm_processing import (
     Mode,
     check_anchor_counts,
-    check_ref_sizes,
     select_processing_worker,
 )
 from mmgate.types import MediaRef, Modality, PreparedRequest

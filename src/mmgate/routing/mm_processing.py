@@ -19,9 +19,9 @@ Auto looks at every *registered* worker, healthy or not (labels survive a
 failed health check), so a health flap never moves a model between modes.
 Requests without media are not decided (nothing to process) and not counted.
 
-The worker path's own checks live here too: an inline ``data:`` URL above the
-modality's byte cap is ``media_ref_too_large`` (400) before anything is sent;
-only a healthy worker that advertises ``mm_processor`` gets references
+The worker path's own checks live here too (an inline ``data:`` URL above the
+modality's byte cap, ``media_ref_too_large`` 400 before anything is sent, is
+:mod:`mmgate.media.ref_sizes`'s): only a healthy worker that advertises ``mm_processor`` gets references
 (``no_healthy_worker`` 503 when none), and only for URL schemes listed in its
 ``mm_media_ref_schemes`` label (``unsupported_media_url_scheme`` 400).
 """
@@ -34,14 +34,14 @@ from enum import StrEnum
 
 import msgspec
 
-from mmgate import metrics
+from mmgate.observe import metrics
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.fetch import url_scheme
 from mmgate.models.family import Family, processor
 from mmgate.request.protocol import ChatCompletionRequest, ImagePart, TextPart, VideoPart
 from mmgate.routing.workers import Worker, WorkerRegistry
-from mmgate.runtime import ModelRuntime
-from mmgate.settings import FetchSettings, MmProcessing, Settings
+from mmgate.pipeline.runtime import ModelRuntime
+from mmgate.config.settings import MmProcessing, Settings
 from mmgate.types import MediaRef, Modality
 
 PROCESSOR_LABEL = "mm_processor"
@@ -146,32 +146,6 @@ def decide_request(req: ChatCompletionRequest, settings: Settings, runtime: Mode
                       forwardable(parts) and not req.mm_processor_kwargs, workers)
     metrics.MM_PROCESSING.labels(runtime.served_name, decision.mode.value, decision.reason.value).inc()
     return decision
-
-
-def data_url_bytes(url: str) -> int | None:
-    """Decoded size of a ``data:`` URL's payload, computed without decoding it; None for other URLs."""
-    if url_scheme(url) != "data":
-        return None
-    header, _, payload = url.partition(",")
-    if "base64" in [p.strip().lower() for p in header.split(";")[1:]]:
-        chars = len(payload) - sum(payload.count(c) for c in " \t\r\n\f\v") - payload.count("=")
-        return chars * 3 // 4
-    return len(payload) - 2 * payload.count("%")
-
-
-def check_ref_sizes(refs: Sequence[MediaRef], fetch: FetchSettings) -> None:
-    """Refuse an inline ``data:`` URL larger than its modality's byte cap.
-
-    Raises:
-        GatewayError(MEDIA_REF_TOO_LARGE): 400, naming the part.
-    """
-    for ref in refs:
-        size = data_url_bytes(ref.url)
-        cap = fetch.max_input_bytes(ref.modality.value)
-        if size is not None and size > cap:
-            raise GatewayError(ErrorCode.MEDIA_REF_TOO_LARGE,
-                               f"inline {ref.modality.value} payload of {size} bytes exceeds the {cap}-byte cap",
-                               ref.param)
 
 
 def check_anchor_counts(ids: Sequence[int], refs: Sequence[MediaRef], family: Family | None) -> None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mmgate import metrics, timing_log
+from mmgate.observe import metrics, timing_log
 from mmgate.engines.adapter import WireAdapter
 from mmgate.engines.base import Role
 from mmgate.routing.capability import check_capable

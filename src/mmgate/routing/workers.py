@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from mmgate import metrics
+from mmgate.observe import metrics
 from mmgate.engines.adapter import WireAdapter, adapter_for
 from mmgate.engines.base import Capabilities, Probe, ProbeOutcome, Role
 from mmgate.engines.capabilities import MediaKind, any_wire_takes, takes, takes_all
@@ -51,7 +51,7 @@ from mmgate.errors import ErrorCode, GatewayError
 from mmgate.types import Modality
 
 if TYPE_CHECKING:
-    from mmgate.settings import KeepaliveSettings, Settings
+    from mmgate.config.settings import KeepaliveSettings, Settings
 
 log = logging.getLogger("mmgate.routing")
 

@@ -4,7 +4,7 @@ Stage: the far side of ``--mm-processing worker``.  A worker (the reference
 engine) receives an unexpanded prompt and media references; it processes them
 in process (``--mm-processor inprocess``) or hands them to a GPU-free sidecar
 over Redis (``--mm-processor redis``).  Both run mmgate's own pipeline
-(:meth:`mmgate.pipeline.Pipeline.process_media`), so the tensors equal what the
+(:meth:`mmgate.pipeline.prepare.Pipeline.process_media`), so the tensors equal what the
 gateway would have sent.
 
 Modules:

@@ -8,7 +8,7 @@ thread count enters the processing fingerprint
 sidecar started with different values never work together.
 
 The media-intake and video flags are ``mmgate serve``'s own definitions
-(:mod:`mmgate.settings`), environment fallbacks included, so one set of values
+(:mod:`mmgate.config.settings`), environment fallbacks included, so one set of values
 configures the gateway (router mode) and the workers (worker mode) alike.
 """
 
@@ -18,10 +18,9 @@ import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from mmgate.options import add_option, resolve
-from mmgate.settings import (
+from mmgate.config.options import add_option, resolve
+from mmgate.config.settings import (
     FetchSettings,
-    ImageBackend,
     VideoSettings,
     add_media_options,
     add_video_options,
@@ -29,6 +28,7 @@ from mmgate.settings import (
     item_limits,
     video_settings,
 )
+from mmgate.models.backend import ImageBackend
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +46,7 @@ def add_processing_arguments(parser: argparse.ArgumentParser) -> None:
     """The processing flags, shared by ``mmgate engine`` and ``mmgate sidecar``.
 
     The media-intake and video groups are ``mmgate serve``'s own definitions
-    (:func:`mmgate.settings.add_media_options`, :func:`mmgate.settings.add_video_options`):
+    (:func:`mmgate.config.settings.add_media_options`, :func:`mmgate.config.settings.add_video_options`):
     same names, defaults and environment fallbacks; only the thread count is
     worker-side.
     """
@@ -59,7 +59,7 @@ def add_processing_arguments(parser: argparse.ArgumentParser) -> None:
 def processing_config(ns: argparse.Namespace, parser: argparse.ArgumentParser,
                       environ: Mapping[str, str] | None = None) -> ProcessingConfig:
     """The :class:`ProcessingConfig` of parsed flags, with the environment fallbacks of ``environ``
-    (``None``: none read) filled in first (:func:`mmgate.options.resolve`).
+    (``None``: none read) filled in first (:func:`mmgate.config.options.resolve`).
 
     Raises:
         SystemExit: an unreadable flag or environment value (the message names it).

@@ -5,7 +5,7 @@ engine's ``--mm-processor inprocess``) or in the Redis sidecar.  In: the
 unexpanded prompt ids (one anchor per item) and :class:`~mmgate.types.MediaRef`
 items in prompt order; out: a :class:`ProcessedPrompt`.
 
-It runs the gateway's own :meth:`mmgate.pipeline.Pipeline.process_media`
+It runs the gateway's own :meth:`mmgate.pipeline.prepare.Pipeline.process_media`
 (same fetcher, decoder, family plan/preprocess/expand, content hashes), under
 this process's own :class:`~mmgate.sidecar.config.ProcessingConfig` (allow-list,
 byte caps, timeouts).  Same settings in, bit-identical tensors out.
@@ -32,10 +32,10 @@ from mmgate.media.fetch import ALLOWED_SCHEMES, MediaFetcher, check_scheme
 from mmgate.models.bundle import resolve_bundle
 from mmgate.models.geometry import resolve_backend
 from mmgate.models.registry import load_family
-from mmgate.pipeline import Pipeline
-from mmgate.runtime import ModelRuntime
-from mmgate.planning import RequestPlan
-from mmgate.settings import Settings
+from mmgate.pipeline.prepare import Pipeline
+from mmgate.pipeline.runtime import ModelRuntime
+from mmgate.pipeline.planning import RequestPlan
+from mmgate.config.settings import Settings
 from mmgate.sidecar.config import ProcessingConfig
 from mmgate.sidecar.protocol import SCHEMA_VERSION
 from mmgate.types import EncoderBatch, MediaRef, Modality

@@ -42,8 +42,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from mmgate.errors import GatewayError
-from mmgate.options import add_option
-from mmgate.settings import ENV_MODEL_PATH, split_search_path
+from mmgate.config.options import add_option
+from mmgate.config.settings import ENV_MODEL_PATH, add_model_options, split_search_path
 from mmgate.sidecar.config import ProcessingConfig, add_processing_arguments, processing_config
 from mmgate.sidecar.processor import MediaProcessor, item_index, load_runtime, refs_from_items
 from mmgate.sidecar.protocol import (
@@ -220,9 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mmgate sidecar",
                                 description="GPU-free media-processing sidecar for workers (Redis lists).")
     g = p.add_argument_group("sidecar")
-    add_option(g, "--model", required=True, help="model bundle: a folder, or org/name on the model search path")
-    add_option(g, "--model-path", env=(ENV_MODEL_PATH,), metavar="DIRS",
-               help="search path of bundle folders, os.pathsep-separated")
+    add_model_options(g)
     add_option(g, "--redis-url", default=DEFAULT_REDIS_URL, env=(ENV_REDIS_URL,), metavar="URL",
                help="Redis the jobs and results travel through")
     add_option(g, "--namespace", metavar="NS", help="key namespace (default: derived from the fingerprint)")
@@ -232,7 +230,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(g, "--hello-ttl-s", type=float, default=HELLO_TTL_S, help="expiry of the hello key, seconds")
     add_option(g, "--hello-refresh-s", type=float, default=HELLO_REFRESH_S,
                help="how often the hello is rewritten, seconds")
-    add_option(g, "--log-level", default="info", help="log level")
     add_processing_arguments(p)
     return p
 

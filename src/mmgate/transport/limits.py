@@ -1,7 +1,7 @@
 """What one request's encoder tensors may weigh: the bound the transport and the budget put on them.
 
 Stage: plan (used by the pipeline before decoding and before preprocessing).
-In: the gateway's :class:`~mmgate.settings.TransportSettings` and planned tensor
+In: the gateway's :class:`~mmgate.config.settings.TransportSettings` and planned tensor
 sizes; out: the byte limit, the bytes per element the plan counts, and the 413
 ``multimodal_payload_too_large`` for a request over it (issue 15, item 5).
 
@@ -18,14 +18,14 @@ engine with a retryable ``RESOURCE_EXHAUSTED``.
   label is not known before worker selection; an inline fallback that then
   overflows is answered 413 by ``map_rpc_error``), else inline;
 * ``--multimodal-max-inflight-bytes``, when set, bounds every transport
-  (``mmgate.budget`` refuses a request larger than the whole budget with 413 too,
+  (``mmgate.pipeline.budget`` refuses a request larger than the whole budget with 413 too,
   but only after preprocessing).
 """
 
 from __future__ import annotations
 
 from mmgate.errors import ErrorCode, GatewayError
-from mmgate.settings import TensorTransport, TransportSettings
+from mmgate.config.settings import TensorTransport, TransportSettings
 from mmgate.transport.shm import shm_namespace_id
 
 #: gRPC message limit of the engine channels (send and receive), bytes

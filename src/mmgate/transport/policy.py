@@ -1,7 +1,7 @@
 """Per-worker wire plan: which tensors go through shared memory, in which dtype.
 
 Stage: assemble (after worker selection).  In: the gateway's
-:class:`~mmgate.settings.TransportSettings` and the selected worker's labels;
+:class:`~mmgate.config.settings.TransportSettings` and the selected worker's labels;
 out: a :class:`WirePlan` the engine adapter applies tensor by tensor.
 
 * transport ``inline``: every tensor inline; ``shm``: every tensor of at least
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from mmgate.settings import TensorTransport, TransportSettings
+from mmgate.config.settings import TensorTransport, TransportSettings
 from mmgate.transport.dtypes import EncoderDtype
 from mmgate.transport.shm import shm_namespace_id
 from mmgate.types import Modality

@@ -22,8 +22,8 @@ from pathlib import Path
 import httpx
 from PIL import Image, ImageDraw
 
-from mmgate.launch import start_engine, start_gateway
-from mmgate.settings import ENV_MODEL_PATH, split_search_path
+from mmgate.cli.launch import start_engine, start_gateway
+from mmgate.config.settings import ENV_MODEL_PATH, split_search_path
 
 
 def default_search_path() -> list[Path]:
@@ -31,7 +31,7 @@ def default_search_path() -> list[Path]:
     env = split_search_path(os.environ.get(ENV_MODEL_PATH))
     if env:
         return list(env)
-    return [Path(__file__).resolve().parents[3] / "shared" / "models"]
+    return [Path(__file__).resolve().parents[4] / "shared" / "models"]
 
 
 def sample_image_data_url(width: int = 640, height: int = 480) -> str:

@@ -4,7 +4,7 @@ Stage: plan (and expand's splice).  In: a validated
 :class:`~mmgate.request.protocol.ChatCompletionRequest` and the served model; out: a
 :class:`RequestPlan` (template messages + one :class:`~mmgate.types.MediaRef` per
 media part), or a refusal.  ``splice_all`` later replaces each anchor of the
-tokenized prompt by its placeholder run.  Used by :mod:`mmgate.pipeline`.
+tokenized prompt by its placeholder run.  Used by :mod:`mmgate.pipeline.prepare`.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from mmgate.chat.template import content_format
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.fetch import check_scheme
 from mmgate.models.family import processor
-from mmgate.settings import Settings
+from mmgate.config.settings import Settings
 from mmgate.types import ItemHints, MediaRef, Modality, PlaceholderRange, Replacement
 
 if TYPE_CHECKING:
-    from mmgate.runtime import ModelRuntime
+    from mmgate.pipeline.runtime import ModelRuntime
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,7 @@ engine-neutral :class:`~mmgate.types.PreparedRequest`.
 
 Order of refusals (cheap first, nothing fetched before all of them pass):
 unknown model -> modality the model cannot take -> per-request item limit ->
-URL scheme (:mod:`mmgate.planning`) -> chat template -> one anchor per item.  Then each *distinct*
+URL scheme (:mod:`mmgate.pipeline.planning`) -> chat template -> one anchor per item.  Then each *distinct*
 URL is fetched once (concurrently) and decoded, images are preprocessed in a
 bounded thread pool (numpy, Pillow and the resize extension release the GIL), and every
 anchor is replaced by its placeholder run.
@@ -32,8 +32,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from mmgate import metrics, timing_log
-from mmgate.cache import PixelCache
+from mmgate.observe import metrics, timing_log
+from mmgate.pipeline.cache import PixelCache
 from mmgate.chat.template import render_chat
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.fetch import MediaFetcher
@@ -52,7 +52,7 @@ from mmgate.models.family import (
     primary_spec,
     processor,
 )
-from mmgate.planning import (
+from mmgate.pipeline.planning import (
     RequestPlan,
     hinted,
     locate_text_items,
@@ -62,8 +62,8 @@ from mmgate.planning import (
 )
 from mmgate.request.protocol import ChatCompletionRequest, TextPart
 from mmgate.request.structured import request_constraint, template_tools
-from mmgate.runtime import ModelRuntime
-from mmgate.settings import Settings
+from mmgate.pipeline.runtime import ModelRuntime
+from mmgate.config.settings import Settings
 from mmgate.transport.limits import (
     element_bytes,
     encoder_bytes_limit,
@@ -369,8 +369,8 @@ class Pipeline:
                 procs: Mapping[Modality, ImageProcessor | VideoProcessor],
                 segments: Sequence[tuple[str, bool]] | None) -> tuple[list[int], dict[Modality, list[PlaceholderRange]]]:
         """Every anchor replaced by its item's prompt update: text-level updates first (the prompt
-        text re-tokenized with the replacements in place, :func:`mmgate.planning.splice_text`),
-        then token-level ones (:func:`mmgate.planning.splice_all`).
+        text re-tokenized with the replacements in place, :func:`mmgate.pipeline.planning.splice_text`),
+        then token-level ones (:func:`mmgate.pipeline.planning.splice_all`).
 
         Raises:
             GatewayError(MULTIMODAL_NOT_SUPPORTED): text-level updates without the prompt text

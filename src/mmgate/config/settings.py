@@ -2,14 +2,14 @@
 
 ``parse_settings(argv, environ)`` returns a frozen :class:`Settings` that is
 passed down explicitly; no other module reads the environment.  Precedence:
-flag, then environment variable, then built-in default (:mod:`mmgate.options`
+flag, then environment variable, then built-in default (:mod:`mmgate.config.options`
 resolves it; a deprecated variable warns once, an unreadable one stops start-up).
 
 The media-intake and video option groups (:func:`add_media_options`,
 :func:`add_video_options`) are defined here once and used by ``mmgate engine``
 and ``mmgate sidecar`` as well (:mod:`mmgate.sidecar.config`).  ``--help``
 groups every option by topic; docs/configuration.md is rendered from these
-definitions (:mod:`mmgate.config_docs`).
+definitions (:mod:`mmgate.config.docs`).
 """
 
 from __future__ import annotations
@@ -21,39 +21,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from mmgate.options import add_option, resolve
-
-
-class ImageBackend(StrEnum):
-    """Which transformers image-processor backend mmgate is exact to.
-
-    ``torchvision``: the torchvision-backend image processor class (e.g. ``Qwen2VLImageProcessor``,
-    transformers 5.24's default whenever torchvision is importable); its resize is torch's uint8
-    antialiased kernel, which mmgate reproduces exactly without torch
-    (:mod:`mmgate.media.tv_resize` and its C extension).
-    ``pil``: the ``*ImageProcessorPil`` class; resizes with Pillow.
-    ``auto``: ``torchvision`` (transformers' default), with or without torch installed.
-    """
-
-    AUTO = "auto"
-    PIL = "pil"
-    TORCHVISION = "torchvision"
-
-
-class FrameSampling(StrEnum):
-    """Which frames of a clip a bundle whose video config does not set ``do_sample_frames`` keeps
-    (docs/video.md, "Sampling rules").
-
-    ``vllm``: as a vLLM worker (``vllm/multimodal/video.py`` ``Qwen2VLVideoBackend``, vLLM 0.33):
-    Qwen2-VL and Qwen2.5-VL clips sampled at 2 fps (transformers 5.24
-    ``Qwen2VLVideoProcessor.sample_frames`` in fps mode).  ``transformers``: the transformers 5.24
-    processor's own default, ``do_sample_frames=False`` for ``Qwen2VLVideoProcessor`` (every frame).
-    Qwen3-VL samples at 2 fps under both: its processor's default is vLLM's.  A request's
-    ``mm_processor_kwargs`` (``do_sample_frames``, ``fps``, ``num_frames``) override either.
-    """
-
-    VLLM = "vllm"
-    TRANSFORMERS = "transformers"
+from mmgate.config.options import add_option, resolve
+from mmgate.models.backend import FrameSampling, ImageBackend
 
 
 ENV_MODEL_PATH = "MMGATE_MODEL_PATH"
@@ -121,7 +90,7 @@ def add_media_options(parser: argparse.ArgumentParser) -> None:
 
     Reference image backend, per-request item limits, fetch policy and limits,
     per-modality byte caps and image decoding (docs/media-intake.md).  Read back,
-    after :func:`mmgate.options.resolve`, with :func:`fetch_settings`,
+    after :func:`mmgate.config.options.resolve`, with :func:`fetch_settings`,
     :func:`item_limits` and ``ImageBackend(ns.image_backend)``.
     """
     g = parser.add_argument_group(GROUP_MEDIA)
@@ -348,7 +317,7 @@ def tokenspeed_encoder_dtypes(environ: Mapping[str, str]) -> tuple[tuple[str, st
 
 def _transport_settings(ns: argparse.Namespace, environ: Mapping[str, str]) -> TransportSettings:
     """The :class:`TransportSettings` of a resolved ``mmgate serve`` namespace (bounds checked by
-    :func:`mmgate.options.resolve`) and the environment's TokenSpeed dtype overrides.
+    :func:`mmgate.config.options.resolve`) and the environment's TokenSpeed dtype overrides.
 
     Raises:
         SystemExit: an unreadable TokenSpeed dtype override.
@@ -408,7 +377,7 @@ class Settings:
     image_backend: ImageBackend = ImageBackend.AUTO
     item_limits: Mapping[str, int] = field(default_factory=dict)  # per-modality overrides
     default_max_tokens: int = 64
-    max_model_len: int = 0  # context length in tokens; 0: from the bundle's config (mmgate.pipeline.context_length)
+    max_model_len: int = 0  # context length in tokens; 0: from the bundle's config (mmgate.pipeline.prepare.context_length)
     #: how string message content reaches the chat template: ``auto`` (vLLM's detection), ``string``, ``openai``
     chat_template_content_format: str = "auto"
     fetch: FetchSettings = field(default_factory=FetchSettings)
@@ -421,7 +390,7 @@ class Settings:
     preprocess_threads: int = 0  # 0: os.cpu_count()
     max_request_body_bytes: int = 0  # 0: derived from the per-item byte caps (api.app.body_limit_for)
     log_level: str = "info"
-    log_mm_timing: bool = False  # one smg_mm_timing INFO line per media request (mmgate.timing_log)
+    log_mm_timing: bool = False  # one smg_mm_timing INFO line per media request (mmgate.observe.timing_log)
     worker_health_interval_s: float = 5.0  # seconds between worker health probes (routing.workers.HealthPolicy)
     worker_health_timeout_s: float = 2.0  # deadline of one health probe RPC
     worker_unhealthy_after: int = 3  # consecutive failed probes (busy timeouts excluded) before a worker is unhealthy
@@ -493,14 +462,42 @@ def _pd_settings(ns: argparse.Namespace) -> tuple[bool, tuple[tuple[str, int | N
     return enabled, prefill, decode
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def add_model_options(container: argparse._ActionsContainer, *, search_path: bool = True,
+                      log_level: bool = True) -> None:
+    """``--model``, ``--model-path`` and ``--log-level``: the one definition ``mmgate serve``,
+    ``mmgate engine`` and ``mmgate sidecar`` share.
+
+    ``search_path``: ``--model`` may name ``org/name`` found on ``--model-path`` (serve, sidecar);
+    False: ``--model`` is a bundle folder and there is no ``--model-path`` (engine).  ``log_level``
+    False: the caller lists ``--log-level`` in another group (:func:`add_log_level_option`).
+    """
+    if search_path:
+        add_option(container, "--model", required=True,
+                   help="model bundle: a folder, or org/name found on the model search path")
+        add_option(container, "--model-path", env=(ENV_MODEL_PATH,), metavar="DIRS",
+                   help="search path of bundle folders, os.pathsep-separated")
+    else:
+        add_option(container, "--model", required=True, type=Path, metavar="DIR",
+                   help="model bundle folder (config.json, tokenizer, optional weights)")
+    if log_level:
+        add_log_level_option(container)
+
+
+def add_log_level_option(container: argparse._ActionsContainer) -> None:
+    """``--log-level``, part of :func:`add_model_options`'s group."""
+    add_option(container, "--log-level", default="info", choices=list(LOG_LEVELS), type=str.lower,
+               help="log level of the process's loggers")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``mmgate serve`` parser, its options grouped by topic (``--help``; docs/configuration.md)."""
     p = argparse.ArgumentParser(prog="mmgate serve", description="Run the mmgate OpenAI-compatible gateway "
                                 "(every option with its default and environment variable: docs/configuration.md).")
     g = p.add_argument_group("model and server")
-    add_option(g, "--model", required=True, help="model bundle: a folder, or org/name found on the model search path")
-    add_option(g, "--model-path", env=(ENV_MODEL_PATH,), metavar="DIRS",
-               help="search path of bundle folders, os.pathsep-separated")
+    add_model_options(g, log_level=False)
     add_option(g, "--served-model-name", help="model name clients send and /v1/models lists (default: --model)")
     add_option(g, "--host", default="127.0.0.1", help="address the HTTP server listens on")
     add_option(g, "--port", type=int, default=30000, minimum=0, help="port the HTTP server listens on")
@@ -610,8 +607,7 @@ def build_parser() -> argparse.ArgumentParser:
                help="glibc M_ARENA_MAX: malloc arenas the gateway's threads share, so the idle trim returns all "
                     "free memory (0: glibc's default, 8 per core)")
     g = p.add_argument_group("logging and metrics")
-    add_option(g, "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
-               type=str.lower, help="log level of the gateway's loggers")
+    add_log_level_option(g)
     add_option(g, "--log-mm-timing", action="store_true", default=False, env=(ENV_LOG_MM_TIMING,),
                deprecated=(ENV_LOG_MM_TIMING,),
                help="log one smg_mm_timing line per media request, plus video decode and tensor transport "

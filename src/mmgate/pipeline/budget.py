@@ -21,9 +21,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mmgate import metrics
+from mmgate.observe import metrics
 from mmgate.errors import ErrorCode, GatewayError
-from mmgate.memory import IdleTrimmer
+from mmgate.pipeline.memory import IdleTrimmer
 
 
 @dataclass
@@ -56,7 +56,7 @@ class InflightBudget:
         if total_bytes is not None and total_bytes <= 0:
             raise ValueError("an in-flight budget must be positive; use None for unbounded")
         self.total = total_bytes
-        self.trimmer = trimmer  # told of every grant, bounded or not, to trim the heap when idle (mmgate.memory)
+        self.trimmer = trimmer  # told of every grant, bounded or not, to trim the heap when idle (mmgate.pipeline.memory)
         self.wait_s = wait_s
         self.in_use = 0
         self._waiters: deque[_Waiter] = deque()

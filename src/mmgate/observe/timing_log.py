@@ -1,7 +1,7 @@
 """``--log-mm-timing``: one parseable INFO line per media request, plus video-decode and transport events.
 
 Stage: observability, beside every stage.  In: the stage timings a request collected
-(:func:`mmgate.metrics.stage`, ``PreparedRequest.timings_ms``) and the events the pipeline and the
+(:func:`mmgate.observe.metrics.stage`, ``PreparedRequest.timings_ms``) and the events the pipeline and the
 engine adapter report while the request runs; out: lines on the ``mmgate.timing`` logger.
 
 Line format (as SMG's tracing output of the same events, smg-project/smg#2625, SMG

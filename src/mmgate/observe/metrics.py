@@ -2,7 +2,7 @@
 
 ``stage(name, timings)`` times a pipeline stage once and feeds both the
 per-request timing record (``PreparedRequest.timings_ms``, printed by the
-quick start and written by ``--log-mm-timing``, :mod:`mmgate.timing_log`) and the
+quick start and written by ``--log-mm-timing``, :mod:`mmgate.observe.timing_log`) and the
 ``mmgate_stage_seconds`` histogram.
 
 Naming policy (docs/metrics.md lists every metric): a metric the Rust gateway (SMG) also

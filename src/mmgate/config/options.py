@@ -4,11 +4,11 @@ Stage: start-up.  In: ``argparse`` parsers (or argument groups) and the
 environment as a mapping; out: a parsed ``argparse.Namespace`` in which every
 option added through :func:`add_option` holds the flag's value, else its
 environment variable's, else its built-in default.  ``mmgate serve``
-(:mod:`mmgate.settings`), ``mmgate engine`` (:mod:`mmgate.refengine.config`) and
+(:mod:`mmgate.config.settings`), ``mmgate engine`` (:mod:`mmgate.refengine.config`) and
 ``mmgate sidecar`` (:mod:`mmgate.sidecar.config`) all add their shared option
 groups with it, so a flag means the same, has the same default and the same
 environment fallback in all three.  ``docs/configuration.md`` is rendered from
-the same records (:mod:`mmgate.config_docs`).
+the same records (:mod:`mmgate.config.docs`).
 
 Resolution mirrors the Rust gateway (lightseekorg/smg ``docs/reference/configuration.md``,
 "Multimodal Configuration", v1.11): flag, then environment variable, then

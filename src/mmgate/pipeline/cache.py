@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from mmgate import metrics
+from mmgate.observe import metrics
 
 
 class PixelCache:

@@ -1,13 +1,13 @@
 """``mmgate serve | engine | sidecar | demo``.
 
-* ``serve``: the OpenAI-compatible gateway (flags in :mod:`mmgate.settings`; ``--workers N``:
+* ``serve``: the OpenAI-compatible gateway (flags in :mod:`mmgate.config.settings`; ``--workers N``:
   N gateway processes on one port, :mod:`mmgate.api.multiproc`).
 * ``engine``: the CPU reference engine (:mod:`mmgate.refengine`).
 * ``sidecar``: the Redis media-processing sidecar (:mod:`mmgate.sidecar`).
 * ``demo``: the quick start — starts a reference engine and a gateway on
   loopback with a bundled Qwen-VL model, sends one chat request with a sample
   image, prints the answer, the prompt token count and the stage timings, then
-  stops both (:mod:`mmgate.demo`).
+  stops both (:mod:`mmgate.cli.demo`).
 
 ``mmgate COMMAND --help`` lists a command's flags grouped by topic, each with its
 default and environment variable; docs/configuration.md lists them all.
@@ -30,7 +30,7 @@ def serve(argv: Sequence[str]) -> int:
     Returns 0 after a clean stop, 1 when the server did not start (port taken) or, with ``--workers``,
     every process was taken out of rotation for dying too often, 2 on a bad model.
     """
-    from mmgate.settings import parse_settings
+    from mmgate.config.settings import parse_settings
 
     settings = parse_settings(argv, os.environ)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -75,12 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from mmgate.sidecar.server import main as sidecar_main
         return sidecar_main(rest)
     if command == "demo":
-        from mmgate.demo import main as demo_main
+        from mmgate.cli.demo import main as demo_main
 
         return demo_main(rest)
     print(f"mmgate: unknown command {command!r}\n{__doc__}", file=sys.stderr)
     return 2
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -221,7 +221,7 @@ def configure(mmap_threshold: int, trim_min_bytes: int, trim_threshold: int = 0,
     """Apply the gateway's memory settings at start-up (before the preprocessing and gRPC threads start): a
     fixed mmap threshold when ``mmap_threshold`` is not 0, a fixed trim threshold when ``trim_threshold`` is
     not 0, an arena cap when ``arena_max`` is not 0, and the idle trimmer that
-    :class:`mmgate.budget.InflightBudget` feeds when ``trim_min_bytes`` is not 0 (``--malloc-mmap-threshold``,
+    :class:`mmgate.pipeline.budget.InflightBudget` feeds when ``trim_min_bytes`` is not 0 (``--malloc-mmap-threshold``,
     ``--malloc-trim-threshold``, ``--malloc-arena-max``, ``--memory-trim-min-bytes``).
 
     Raises:
