@@ -31,16 +31,21 @@ import asyncio, base64, gc, json, os, sys, time
 from concurrent.futures import ThreadPoolExecutor
 sys.path.insert(0, os.path.join(os.environ["BENCH_DIR"]))
 from bench_report import sample_jpeg
-from mmgate.request.parse import parse_chat_request
 from mmgate.chat.tokenizer import load_tokenizer
 from mmgate.media.fetch import MediaFetcher
 from mmgate.models.bundle import load_bundle
 from mmgate.models.geometry import resolve_backend
 from mmgate.models.registry import load_family
-from mmgate.pipeline.prepare import Pipeline
-from mmgate.pipeline.runtime import ModelRuntime
-from mmgate.config.settings import Settings
-from mmgate.models.backend import ImageBackend
+try:  # the layout since issue 22
+    from mmgate.request.parse import parse_chat_request
+    from mmgate.pipeline.prepare import Pipeline
+    from mmgate.pipeline.runtime import ModelRuntime
+    from mmgate.config.settings import Settings
+    from mmgate.models.backend import ImageBackend
+except ImportError:  # a tree from before it (e.g. 05281ae), for before/after runs
+    from mmgate.api.protocol import parse_chat_request
+    from mmgate.pipeline import ModelRuntime, Pipeline
+    from mmgate.settings import ImageBackend, Settings
 
 bundle_dir, width, height, min_time, backend = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
 bundle = load_bundle(bundle_dir)
