@@ -145,7 +145,8 @@ def test_an_unsupported_pair_is_400_before_anything_is_fetched(
     assert error["param"] == "messages[0].content[1]"
     if kind is not MediaKind.AUDIO:  # audio: the family refuses it first (planning), also before any fetch
         assert "capability matrix" in error["message"], error
-    assert not any(tag in path for path in origin.hits), origin.hits
+    hits = origin.settled()
+    assert not any(tag in path for path in hits), hits
 
 
 @pytest.mark.parametrize("wire", list(Wire), ids=[w.value for w in Wire])
@@ -161,7 +162,8 @@ def test_a_language_model_only_worker_of_any_wire_gets_no_image(
     assert resp.status_code == 400 and resp.headers["X-SMG-Error-Code"] == "multimodal_not_supported", resp.text
     assert resp.json()["error"]["param"] == "messages[0].content[0]"
     assert "capability matrix" in resp.json()["error"]["message"]
-    assert not any(tag in path for path in origin.hits)
+    hits = origin.settled()
+    assert not any(tag in path for path in hits), hits
 
 
 @pytest.mark.parametrize(("wire", "kind"), [(Wire.VLLM, MediaKind.IMAGE), (Wire.VLLM, MediaKind.VIDEO),
@@ -194,7 +196,8 @@ def test_workers_show_each_detected_wire_and_reported_role(origin: MediaOrigin) 
             tag = "mixed-fleet"
             refused = post(base, chat(part(MediaKind.IMAGE, origin, tag), part(MediaKind.IMAGE_EMBEDS, origin, tag)))
             assert refused.headers["X-SMG-Error-Code"] == "multimodal_not_supported"
-            assert not any(tag in path for path in origin.hits)
+            hits = origin.settled()
+            assert not any(tag in path for path in hits), hits
             taken = post(base, chat(part(MediaKind.VIDEO, origin, "mixed-video")))
             assert taken.headers.get("X-SMG-Error-Code") != "multimodal_not_supported", taken.text
     finally:

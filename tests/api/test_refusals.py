@@ -100,7 +100,7 @@ def test_item_limit_is_400_before_any_fetch(qwen3_gateway: str) -> None:
         body = {"model": "Qwen/Qwen3-VL-2B-Instruct",
                 "messages": [{"role": "user", "content": [image_part(u) for u in urls]}]}
         assert_refused(post(qwen3_gateway, body), 400, "mm_item_limit_exceeded")
-        assert sum(origin.hits.values()) == 0
+        assert sum(origin.settled().values()) == 0
 
 
 def test_malformed_body_is_400_invalid_request(qwen3_gateway: str) -> None:

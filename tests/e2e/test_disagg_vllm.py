@@ -273,7 +273,7 @@ def test_n_samples_on_a_vllm_pair(stack: Stack, origin: MediaOrigin) -> None:
     error = _refused(_post(stack.pd(QWEN2_5, Wire.VLLM, record=True), _image_body(QWEN2_5, url, n=2)),
                      "invalid_request")
     assert error["param"] == "n"
-    assert origin.hits["/n2.png"] == 0
+    assert origin.settled()["/n2.png"] == 0
 
 
 # ---- a language-model-only decode worker ----------------------------------------------------------------
@@ -303,7 +303,7 @@ def test_a_language_model_only_decode_refuses_what_it_cannot_serve_before_any_fe
     url = origin.add("/lm-only.png", _png_bytes(40, 60, 1), "image/png")
     _refused(_post(gateway, _image_body(QWEN3, url)), "pd_decode_language_model_only_mrope")
     _refused(_post(gateway, {"model": QWEN3, **TEXT, "n": 2}), "pd_decode_language_model_only_n_samples")
-    assert origin.hits["/lm-only.png"] == 0
+    assert origin.settled()["/lm-only.png"] == 0
 
 
 def test_worker_side_media_references_are_refused_for_a_language_model_only_decode(
@@ -311,7 +311,7 @@ def test_worker_side_media_references_are_refused_for_a_language_model_only_deco
     gateway = stack.pd(LLAVA, Wire.VLLM, lm_only=True, extra=("--mm-processing", "worker"))
     url = origin.add("/refs.png", _png_bytes(40, 60, 2), "image/png")
     _refused(_post(gateway, _image_body(LLAVA, url)), "pd_decode_language_model_only_media_refs")
-    assert origin.hits["/refs.png"] == 0
+    assert origin.settled()["/refs.png"] == 0
 
 
 def test_a_language_model_only_decode_serves_text_only_requests(stack: Stack) -> None:

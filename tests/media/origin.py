@@ -15,8 +15,9 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
+
+from tests.support.settle import POLL_INTERVAL_S, CountingServer, ReadCounting, SettleCounts
 
 
 @dataclass(frozen=True)
@@ -33,17 +34,13 @@ class Behavior:
 
 
 @dataclass
-class ScriptedOrigin:
+class ScriptedOrigin(SettleCounts):
     behaviors: dict[str, Behavior] = field(default_factory=dict)
     hits: Counter[str] = field(default_factory=Counter)
     host_headers: list[str] = field(default_factory=list)
     bytes_sent: Counter[str] = field(default_factory=Counter)
     port: int = 0
     stop: threading.Event = field(default_factory=threading.Event)
-    connections: int = 0  # connections accepted
-    read: int = 0  # of those, the ones whose first request line was read, or that closed without one
-    polls: int = 0  # passes of the accept loop (serve_forever)
-    progress: threading.Condition = field(default_factory=threading.Condition)
 
     def settled(self, timeout_s: float = 5.0) -> Counter[str]:
         """``hits`` once every connection made before this call has been accepted and its request read.
@@ -57,18 +54,7 @@ class ScriptedOrigin:
         Raises:
             AssertionError: the accept loop or a connection's first request stalled past ``timeout_s``.
         """
-        with self.progress:
-            start = self.polls
-            if not self.progress.wait_for(lambda: self.polls >= start + 2 and self.read >= self.connections,
-                                          timeout=timeout_s):
-                raise AssertionError(f"origin on port {self.port}: not settled after {timeout_s}s "
-                                     f"({self.connections} connections, {self.read} read)")
-            return Counter(self.hits)
-
-    def _count(self, name: str) -> None:
-        with self.progress:
-            setattr(self, name, getattr(self, name) + 1)
-            self.progress.notify_all()
+        return self._settled(lambda: Counter(self.hits), f"origin on port {self.port}", timeout_s)
 
     def url(self, path: str, host: str = "127.0.0.1") -> str:
         return f"http://{host}:{self.port}{path}"
@@ -78,30 +64,11 @@ class ScriptedOrigin:
         return self.url(path)
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(ReadCounting):
     origin: ScriptedOrigin  # set on the subclass
-
-    _first_read = False  # per connection (one handler instance each)
 
     def log_message(self, *args: object) -> None:
         pass
-
-    def _mark_read(self) -> None:
-        if not self._first_read:
-            self._first_read = True
-            self.origin._count("read")
-
-    def parse_request(self) -> bool:
-        ok = super().parse_request()  # hit counting (do_GET) comes after, in the same thread
-        if not ok:
-            self._mark_read()
-        return ok
-
-    def finish(self) -> None:
-        try:
-            super().finish()
-        finally:
-            self._mark_read()
 
     def _write(self, path: str, data: bytes) -> None:
         self.wfile.write(data)
@@ -160,29 +127,16 @@ class _Handler(BaseHTTPRequestHandler):
                 remaining -= len(chunk)
 
 
-class _CountingServer(ThreadingHTTPServer):
-    """Counts accepted connections and accept-loop passes into its origin (for :meth:`ScriptedOrigin.settled`)."""
-
-    origin: ScriptedOrigin
-
-    def process_request(self, request: object, client_address: object) -> None:
-        self.origin._count("connections")
-        super().process_request(request, client_address)  # type: ignore[arg-type]
-
-    def service_actions(self) -> None:
-        self.origin._count("polls")
-
-
 @contextmanager
 def scripted_origin() -> Iterator[ScriptedOrigin]:
     origin = ScriptedOrigin()
     handler = type("Handler", (_Handler,), {"origin": origin})
-    server = _CountingServer(("127.0.0.1", 0), handler)
+    server = CountingServer(("127.0.0.1", 0), handler)
     server.origin = origin
     server.daemon_threads = True
     server.block_on_close = False
     origin.port = int(server.server_address[1])
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": POLL_INTERVAL_S}, daemon=True)
     thread.start()
     try:
         yield origin

@@ -8,7 +8,6 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import uvicorn
@@ -19,15 +18,31 @@ from mmgate.gateway.state import GatewayState, build_state
 from mmgate.api.server import uvicorn_config
 from mmgate.cli.launch import free_port, gateway_answers
 from mmgate.config.settings import Settings
+from tests.support.settle import POLL_INTERVAL_S, CountingServer, ReadCounting, SettleCounts
 
 
 @dataclass
-class MediaOrigin:
-    """A loopback HTTP server serving registered bodies; counts hits per path."""
+class MediaOrigin(SettleCounts):
+    """A loopback HTTP server serving registered bodies; counts hits per path.
+
+    ``settled()`` is the sync point before asserting that a path saw no hit.
+    """
 
     files: dict[str, tuple[bytes, str]] = field(default_factory=dict)
     hits: Counter[str] = field(default_factory=Counter)
     port: int = 0
+
+    def settled(self, timeout_s: float = 5.0) -> Counter[str]:
+        """``hits`` once every connection made before this call has been accepted and its request read.
+
+        A fetch the code under test began before answering is in the kernel's accept queue by the
+        time its answer is read; two accept-loop passes after this call accept it, then its request
+        line is read (its hit counted) or the connection closed (see :mod:`tests.support.settle`).
+
+        Raises:
+            AssertionError: the accept loop or a connection's first request stalled past ``timeout_s``.
+        """
+        return self._settled(lambda: Counter(self.hits), f"media origin on port {self.port}", timeout_s)
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
@@ -41,9 +56,10 @@ class MediaOrigin:
 def media_origin() -> Iterator[MediaOrigin]:
     origin = MediaOrigin()
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(ReadCounting):
         def do_GET(self) -> None:  # noqa: N802 - http.server API
             origin.hits[self.path] += 1
+            self._mark_read()
             entry = origin.files.get(self.path)
             if entry is None:
                 self.send_error(404)
@@ -58,9 +74,11 @@ def media_origin() -> Iterator[MediaOrigin]:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    Handler.origin = origin
+    server = CountingServer(("127.0.0.1", 0), Handler)
+    server.origin = origin
     origin.port = int(server.server_address[1])
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": POLL_INTERVAL_S}, daemon=True)
     thread.start()
     try:
         yield origin

@@ -156,4 +156,4 @@ def test_bad_hint_is_400_invalid_request_before_any_fetch(qwen3_gateway: str, pa
         resp = httpx.post(qwen3_gateway + "/v1/chat/completions", json=body, timeout=30)
         assert resp.status_code == 400, resp.text
         assert resp.json()["error"]["code"] == "invalid_request"
-        assert sum(origin.hits.values()) == 0
+        assert sum(origin.settled().values()) == 0

@@ -110,7 +110,7 @@ def test_more_clips_than_the_video_limit_is_400_before_any_fetch(gateway: str) -
         urls = [origin.add(f"/c{i}.mp4", b"never fetched", "video/mp4") for i in range(5)]
         resp = post(gateway, [{"type": "video_url", "video_url": {"url": u}} for u in urls])
         assert_refused(resp, 400, "mm_item_limit_exceeded", param=None)
-        assert sum(origin.hits.values()) == 0
+        assert sum(origin.settled().values()) == 0
 
 
 def test_clip_over_the_byte_cap_is_413_before_decoding(gateway: str, clips: dict[str, Path]) -> None:

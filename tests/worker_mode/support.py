@@ -22,7 +22,6 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import grpc
@@ -38,6 +37,7 @@ from mmgate.api.app import create_app
 from mmgate.gateway.state import GatewayState, build_state
 from mmgate.cli.launch import free_port, gateway_answers
 from mmgate.config.settings import Settings
+from tests.support.settle import POLL_INTERVAL_S, CountingServer, ReadCounting, SettleCounts
 
 MODEL = "Qwen/Qwen2-VL-2B-Instruct"
 
@@ -72,13 +72,21 @@ def chat(parts: Sequence[dict], *, stream: bool = False, max_tokens: int = 4, mo
 
 
 @dataclass
-class Origin:
-    """A loopback media origin: static bodies, ``/slow/...`` (sleeps ``slow_s``), ``/status/NNN``."""
+class Origin(SettleCounts):
+    """A loopback media origin: static bodies, ``/slow/...`` (sleeps ``slow_s``), ``/status/NNN``.
+
+    ``settled()`` is the sync point before asserting that a path saw no hit.
+    """
 
     port: int = 0
     files: dict[str, bytes] = field(default_factory=dict)
     hits: Counter[str] = field(default_factory=Counter)
     slow_s: float = 5.0
+
+    def settled(self, timeout_s: float = 5.0) -> Counter[str]:
+        """``hits`` once every connection made before this call has been accepted and its request read
+        (the request line, not a ``/slow/`` body; see :mod:`tests.support.settle`)."""
+        return self._settled(lambda: Counter(self.hits), f"media origin on port {self.port}", timeout_s)
 
     def url(self, path: str, host: str = "127.0.0.1") -> str:
         return f"http://{host}:{self.port}{path}"
@@ -92,9 +100,10 @@ class Origin:
 def origin() -> Iterator[Origin]:
     state = Origin()
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(ReadCounting):
         def do_GET(self) -> None:  # noqa: N802 - http.server API
             state.hits[self.path] += 1
+            self._mark_read()
             if self.path.startswith("/status/"):
                 self.send_error(int(self.path.rsplit("/", 1)[1]))
                 return
@@ -116,11 +125,13 @@ def origin() -> Iterator[Origin]:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    Handler.origin = state
+    server = CountingServer(("127.0.0.1", 0), Handler)
+    server.origin = state
     server.daemon_threads = True
     server.block_on_close = False  # type: ignore[attr-defined]
     state.port = int(server.server_address[1])
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": POLL_INTERVAL_S}, daemon=True).start()
     try:
         yield state
     finally:

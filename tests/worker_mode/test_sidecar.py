@@ -100,14 +100,14 @@ def test_a_job_past_its_deadline_is_answered_expired_without_being_fetched(live:
     job_id = _push_job(live, url, deadline_ms=int(time.time() * 1000) - 1)
     result = _result(live, job_id)
     assert (result.ok, result.code) == (False, "expired")
-    assert media.hits["/expired.png"] == 0
+    assert media.settled()["/expired.png"] == 0
 
 
 def test_a_job_made_for_another_fingerprint_is_refused(live: Stack, media: Origin) -> None:
     url = media.add("/other.png", image_bytes(32, 32, 4, "PNG"))
     job_id = _push_job(live, url, deadline_ms=int(time.time() * 1000) + 10_000, fingerprint="0" * 64)
     assert _result(live, job_id).code == "fingerprint_mismatch"
-    assert media.hits["/other.png"] == 0
+    assert media.settled()["/other.png"] == 0
 
 
 def test_the_engines_deadline_travels_with_the_job(live: Stack, media: Origin) -> None:
@@ -194,7 +194,7 @@ def test_a_sidecar_with_another_fingerprint_is_ignored(stack: Stack, media: Orig
         outcome = _generate(stack.redis_engine.port, media.add("/fp.png", image_bytes(32, 32, 8, "PNG")), 10)
         assert isinstance(outcome, grpc.RpcError) and outcome.code() == grpc.StatusCode.UNAVAILABLE
         assert "another fingerprint" in outcome.details()
-        assert media.hits["/fp.png"] == 0
+        assert media.settled()["/fp.png"] == 0
     finally:
         other.stop()
     assert stack.redis.client().exists(stack.hello_key()) == 0  # a stopped sidecar removes its hello
