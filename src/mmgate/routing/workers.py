@@ -209,7 +209,7 @@ class WorkerRegistry:
         self.routing = routing or RoutingSettings()
         #: the policy of each role (--policy, --prefill-policy, --decode-policy; mmgate.routing.policies)
         self.policies = policies_for(self.routing)
-        self._monitor = PolicyMonitor(lambda: self.workers, self.policies.values(), self.routing)
+        self.monitor = PolicyMonitor(lambda: self.workers, self.policies.values(), self.routing)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> WorkerRegistry:
@@ -252,7 +252,7 @@ class WorkerRegistry:
         """Probe every worker once, then every ``policy.interval_s`` seconds in the background."""
         await self.refresh()
         self._task = asyncio.create_task(self._loop())
-        self._monitor.start()
+        self.monitor.start()
 
     async def _loop(self) -> None:
         while True:
@@ -264,7 +264,7 @@ class WorkerRegistry:
 
     async def close(self) -> None:
         """Stop probing and close every worker's channel."""
-        await self._monitor.close()
+        await self.monitor.close()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
