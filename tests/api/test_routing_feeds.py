@@ -97,3 +97,21 @@ def test_cache_aware_follows_a_workers_kv_event_stream(two_workers: tuple[FakeWo
             await reg.close()
 
     assert asyncio.run(asyncio.wait_for(run(), 30)) == [b.url, b.url, a.url]
+
+
+def test_every_reference_servicer_answers_getloads_in_its_wires_shape() -> None:
+    from types import SimpleNamespace
+
+    from mmgate.engines.loads import WorkerLoad, load_from_response
+    from mmgate.refengine.servicer import RefEngineServicer
+    from mmgate.refengine.sglang_servicer import SglangServicer
+    from mmgate.refengine.tokenspeed_servicer import TokenSpeedServicer
+
+    core = SimpleNamespace(counts=lambda: (5, 2))  # 5 requests active, 2 on a model thread
+    config = SimpleNamespace(model_workers=2)
+    for cls in (SglangServicer, TokenSpeedServicer):
+        servicer = cls(config, core)  # type: ignore[arg-type]
+        assert load_from_response(servicer.GetLoads(None, None)) == WorkerLoad(running=2, waiting=3)
+    vllm = RefEngineServicer.__new__(RefEngineServicer)
+    vllm._core, vllm._config = core, config  # type: ignore[attr-defined]
+    assert load_from_response(vllm.GetLoads(None, None)) == WorkerLoad(running=2, waiting=3)
