@@ -30,6 +30,8 @@ class ErrorCode(StrEnum):
     UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"  # a POST body that is not Content-Type: application/json
     CLIENT_DISCONNECTED = "client_disconnected"  # the client left before its request was read; never delivered
     SERVER_BUSY = "server_busy"  # past --max-connections open connections
+    INVALID_API_KEY = "invalid_api_key"  # a guarded path (docs/security.md) without the right key: missing or wrong
+    ADMIN_API_DISABLED = "admin_api_disabled"  # the admin API while no --admin-api-key is set
     MODEL_NOT_FOUND = "model_not_found"
     MULTIMODAL_NOT_SUPPORTED = "multimodal_not_supported"
     MEDIA_COUNT_MISMATCH = "media_count_mismatch"
@@ -82,6 +84,8 @@ ERROR_TABLE: dict[ErrorCode, ErrorSpec] = {
     ErrorCode.UNSUPPORTED_MEDIA_TYPE: ErrorSpec(415, False, _INVALID),
     ErrorCode.CLIENT_DISCONNECTED: ErrorSpec(499, False, _INVALID),  # nginx's "client closed request"
     ErrorCode.SERVER_BUSY: ErrorSpec(503, True, _SERVER),
+    ErrorCode.INVALID_API_KEY: ErrorSpec(401, False, _INVALID),  # OpenAI's code and type for a bad key
+    ErrorCode.ADMIN_API_DISABLED: ErrorSpec(403, False, _INVALID),
     ErrorCode.MODEL_NOT_FOUND: ErrorSpec(404, False, _INVALID),
     ErrorCode.MULTIMODAL_NOT_SUPPORTED: ErrorSpec(400, False, _INVALID),
     ErrorCode.PD_DECODE_LANGUAGE_MODEL_ONLY_MROPE: ErrorSpec(400, False, _INVALID),

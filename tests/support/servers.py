@@ -89,10 +89,11 @@ def media_origin() -> Iterator[MediaOrigin]:
 
 @contextmanager
 def gateway_in_thread(settings: Settings, state: GatewayState | None = None,
-                      app: FastAPI | None = None) -> Iterator[str]:
+                      app: FastAPI | None = None, health_headers: dict[str, str] | None = None) -> Iterator[str]:
     """Run the real gateway app on loopback in a thread, under the same uvicorn config as ``mmgate serve``
     (:func:`mmgate.api.server.uvicorn_config`); yields its base URL.  ``state``: one the test built (to look
-    into it while requests run); ``app``: an app the test built over it (to add a route)."""
+    into it while requests run); ``app``: an app the test built over it (to add a route); ``health_headers``:
+    sent with the readiness polls of ``/health`` (a key, under ``--protect-ops``)."""
     port = free_port()
     app = app or create_app(state or build_state(settings))
     server = uvicorn.Server(uvicorn_config(app, settings, host="127.0.0.1", port=port, log_level="warning"))
@@ -102,7 +103,8 @@ def gateway_in_thread(settings: Settings, state: GatewayState | None = None,
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
-            if gateway_answers(httpx.get(base + "/health", timeout=1)):  # 503 while no worker is healthy
+            # 503 while no worker is healthy
+            if gateway_answers(httpx.get(base + "/health", headers=health_headers, timeout=1)):
                 break
         except httpx.HTTPError:
             time.sleep(0.05)

@@ -189,8 +189,8 @@ def test_serve_help_is_grouped_by_topic_and_names_each_variable() -> None:
                          timeout=60, check=True).stdout
     headings = [line[:-1] for line in out.splitlines() if line and not line[0].isspace() and line.endswith(":")]
     assert headings == ["options", "model and server", "media intake", "video", "tensor transport",
-                        "processing mode", "workers", "routing policy", "HTTP limits", "structured outputs and tools", "memory",
-                        "logging and metrics"]
+                        "processing mode", "workers", "routing policy", "HTTP limits", "API keys",
+                        "structured outputs and tools", "memory", "logging and metrics"]
     text = " ".join(out.split())
     for var in ("MMGATE_MODEL_PATH", "SMG_IMAGE_MAX_INPUT_BYTES", "SMG_MM_TENSOR_TRANSPORT",
                 "SMG_TOKENSPEED_MM_TENSOR_TRANSPORT (deprecated)", "SMG_MM_PROCESSING (deprecated)",

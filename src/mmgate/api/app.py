@@ -10,7 +10,8 @@ All failures go through one handler that renders the error table (:mod:`mmgate.e
 without a stack trace in the body (it is logged).  The framework's own refusals (an unknown route, a wrong
 method, FastAPI's validation) are codes of the same table (:func:`mmgate.api.http.framework_error`), in
 Anthropic's shape under ``/v1/messages`` (:func:`render_error`).  Stage timings of each request travel
-back in the ``X-Mmgate-Stage-Ms`` header (``stage=ms,...``).
+back in the ``X-Mmgate-Stage-Ms`` header (``stage=ms,...``).  Keys are checked by
+:class:`mmgate.api.keys.KeyGuard` before any route runs or any body is read.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from mmgate.observe import metrics
 from mmgate.api.anthropic import anthropic_error_response, is_anthropic_path, register_anthropic
 from mmgate.api.chat_completions import register_chat_completions
 from mmgate.api.http import body_limit_for, error_response, framework_error
+from mmgate.api.keys import KeyGuard
 from mmgate.api.openai_responses import register_responses
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.gateway.state import GatewayState
@@ -59,6 +61,7 @@ def create_app(state: GatewayState) -> FastAPI:
             state.executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="mmgate", lifespan=lifespan)
+    app.add_middleware(KeyGuard, auth=state.settings.auth, render=render_error)  # keys first (docs/security.md)
     app.add_middleware(metrics.RequestTimer)  # mmgate_request_duration_seconds{endpoint,status}
     body_limit = body_limit_for(state.settings)
     register_chat_completions(app, state, body_limit)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from mmgate.config.auth import AuthSettings, add_auth_options, auth_settings
 from mmgate.config.options import add_option, resolve
 from mmgate.models.backend import FrameSampling, ImageBackend
 
@@ -415,6 +416,7 @@ class Settings:
     video: VideoSettings = field(default_factory=VideoSettings)
     transport: TransportSettings = field(default_factory=TransportSettings)
     http: HttpSettings = field(default_factory=HttpSettings)
+    auth: AuthSettings = field(default_factory=AuthSettings)  # --api-key, --admin-api-key, --protect-ops
     constraints: ConstraintLimits = field(default_factory=ConstraintLimits)  # structured outputs and tools
     mm_processing: MmProcessing = MmProcessing.AUTO
     mm_processing_models: tuple[str, ...] | None = None  # opted in to worker-side processing; None: every model
@@ -637,6 +639,7 @@ def build_parser() -> argparse.ArgumentParser:
                help="seconds between two chunks of a request body; past it 408 request_timeout and close")
     add_option(g, "--max-connections", type=int, default=_HTTP_DEFAULTS.max_connections,
                help="open HTTP connections served; a request on one past it gets 503 server_busy")
+    add_auth_options(p)
     g = p.add_argument_group("structured outputs and tools")
     c = _CONSTRAINT_DEFAULTS
     add_option(g, "--constraint-max-chars", type=int, default=c.max_chars, minimum=1,
@@ -732,6 +735,7 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         video=video_settings(ns),
         transport=_transport_settings(ns, environ),
         http=http,
+        auth=auth_settings(ns),
         constraints=constraints,
         mm_processing=MmProcessing(ns.mm_processing),
         mm_processing_models=None if ns.mm_processing_models is None else tuple(ns.mm_processing_models),
