@@ -185,18 +185,15 @@ def _lie_about_size(data: bytes, name: bytes, declared: int) -> bytes:
     """Rewrite the uncompressed size of member ``name`` to ``declared`` in its local header and in the
     central directory (a bomb that declares little and inflates to much)."""
     out = bytearray(data)
-    local = out.find(b"PK\x03\x04")
-    while local >= 0:
-        name_len = struct.unpack_from("<H", out, local + 26)[0]
-        if bytes(out[local + 30:local + 30 + name_len]) == name:
-            struct.pack_into("<I", out, local + 22, declared)
-        local = out.find(b"PK\x03\x04", local + 4)
-    central = out.find(b"PK\x01\x02")
-    while central >= 0:
-        name_len = struct.unpack_from("<H", out, central + 28)[0]
-        if bytes(out[central + 46:central + 46 + name_len]) == name:
-            struct.pack_into("<I", out, central + 24, declared)
-        central = out.find(b"PK\x01\x02", central + 4)
+    # (signature, offset of the name's length, fixed size before the name, offset of the size):
+    # the local file header, then the central-directory record (APPNOTE 4.3.7, 4.3.12)
+    for signature, name_len_at, fixed, size_at in ((b"PK\x03\x04", 26, 30, 22), (b"PK\x01\x02", 28, 46, 24)):
+        at = out.find(signature)
+        while at >= 0:
+            name_len = struct.unpack_from("<H", out, at + name_len_at)[0]
+            if bytes(out[at + fixed:at + fixed + name_len]) == name:
+                struct.pack_into("<I", out, at + size_at, declared)
+            at = out.find(signature, at + 4)
     return bytes(out)
 
 
@@ -288,3 +285,37 @@ def test_the_digest_of_the_wire_is_taken_in_upper_case_too(worker, tmp_path: Pat
     served.chunks, served.abort_after, served.repeat_last = chunks_of(data, digest.upper()), None, 0
     assert fetch(target, tmp_path / "cache") == tmp_path / "cache" / digest
 
+
+def test_a_cache_folder_that_cannot_be_written_is_a_bundle_error(worker, tmp_path: Path) -> None:
+    target, served = worker
+    served.chunks, served.abort_after, served.repeat_last = chunks_of(archive([("config.json", CONFIG)])), None, 0
+    blocker = tmp_path / "cache"
+    blocker.write_bytes(b"a file where the cache folder should be")
+    with pytest.raises(BundleError) as caught:
+        fetch(target, blocker)
+    assert caught.value.reason == "the bundle cache folder cannot be written (File exists)"
+    assert tree(tmp_path) == {"cache"}
+
+
+def test_a_fetch_cancelled_midway_leaves_nothing_in_the_cache(worker, tmp_path: Path) -> None:
+    target, served = worker
+    data = archive([("config.json", CONFIG), (member("vocab.json"), os.urandom(300_000))])
+    served.chunks, served.abort_after, served.repeat_last = chunks_of(data), None, 4096  # a 256 MiB stream
+    served.sent, served.cancelled = 0, threading.Event()
+    cache = tmp_path / "cache"
+
+    async def run() -> None:
+        client = WorkerClient(target)
+        try:
+            task = asyncio.create_task(fetch_worker_bundle(client, cache, BundleLimits()))
+            while served.sent < 8 and not task.done():  # the download is under way
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+    assert served.cancelled.wait(10)
+    assert list(cache.iterdir()) == []

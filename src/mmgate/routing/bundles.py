@@ -85,8 +85,12 @@ async def fetch_worker_bundle(client: WorkerClient, cache_dir: Path, limits: Bun
         BundleError: the RPC failed or ran out of time, the stream broke the rules, the archive is
             unsafe or too large (the module docstring lists each rule); nothing is left in the cache.
     """
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".partial-", dir=cache_dir))
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=".partial-", dir=cache_dir))
+    except OSError as exc:
+        raise BundleError(f"the bundle cache folder cannot be written ({exc.strerror})") from None
+    unpacking: asyncio.Future[None] | None = None
     try:
         archive = work / "bundle.zip"
         digest = await _download(client, archive, limits)
@@ -94,15 +98,22 @@ async def fetch_worker_bundle(client: WorkerClient, cache_dir: Path, limits: Bun
         if entry.is_dir():
             return entry
         unpacked = work / "bundle"
-        await asyncio.to_thread(unpack, archive, unpacked, limits)
+        unpacking = asyncio.ensure_future(asyncio.to_thread(unpack, archive, unpacked, limits))
+        await asyncio.shield(unpacking)  # a cancelled fetch leaves the thread's task running (below)
         try:
             unpacked.rename(entry)
         except OSError:
             if not entry.is_dir():  # not a concurrent fetch of the same bundle
                 raise BundleError("the bundle could not be moved into the cache") from None
         return entry
+    except OSError as exc:  # the cache's disk (full, read-only), not the archive
+        raise BundleError(f"the bundle cache folder cannot be written ({exc.strerror})") from None
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if unpacking is not None and not unpacking.done():
+            # cancelled while the thread unpacks: it cannot be stopped, so its folder goes when it ends
+            unpacking.add_done_callback(lambda _: shutil.rmtree(work, ignore_errors=True))
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 async def _download(client: WorkerClient, path: Path, limits: BundleLimits) -> str:
