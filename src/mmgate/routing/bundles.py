@@ -157,8 +157,8 @@ def unpack(archive: Path, dest: Path, limits: BundleLimits) -> None:
                 total = _extract(zf, index, info, dest, total, limits)
     except zipfile.BadZipFile:
         raise BundleError("the archive is not a readable ZIP") from None
-    except (zlib.error, EOFError, NotImplementedError, RuntimeError):
-        raise BundleError("the archive is corrupt") from None
+    except (zlib.error, EOFError, NotImplementedError, RuntimeError, ValueError, struct.error):
+        raise BundleError("the archive is corrupt") from None  # zipfile's other complaints about its records
 
 
 def _check_directory_size(archive: Path, limits: BundleLimits) -> None:
