@@ -677,10 +677,10 @@ def test_a_decode_link_gone_silent_is_not_a_hung_request(stacks: dict[str, Fault
 
 
 def test_a_single_workers_link_gone_silent_is_not_a_hung_request(tmp_path: Path) -> None:
-    """Without disaggregation: two TokenSpeed workers behind proxies, shared-memory tensors, the first worker's
+    """Without disaggregation: two TokenSpeed workers behind proxies, shared-memory tensors, the second worker's
     link frozen.  A request on it ends with a retryable 503 ``engine_unavailable`` within
     :data:`SILENT_BOUND_S`, leaving no shared-memory segment; a request sent while it waits goes to the other
-    worker (least loaded) and is answered right; once the link thaws both workers serve again."""
+    worker (``--policy round_robin``) and is answered right; once the link thaws both workers serve again."""
     image = {"type": "image_url", "image_url": {"url": _png(40, 60, 5)}}
     body = {"model": QWEN3, "temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True, "logprobs": True,
             "messages": [{"role": "user", "content": [image, {"type": "text", "text": "What is it?"}]}]}
@@ -690,18 +690,21 @@ def test_a_single_workers_link_gone_silent_is_not_a_hung_request(tmp_path: Path)
     try:
         for _ in range(2):  # the same seeded weights: either worker gives the same answer
             legs.append(Proxied.start(EngineConfig(model=bundle_dir(QWEN3), port=0, wire=Wire.TOKENSPEED)))
+        # round_robin: the first request goes to the first worker, the one on the frozen link to the second, the
+        # one sent meanwhile to the first again (the default cache_aware policy would send the same prompt back to
+        # the worker that holds its prefix: the frozen one).
         extra = ["--served-model-name", QWEN3, "--worker-health-interval", "0.5", "--multimodal-tensor-transport",
-                 "shm", "--multimodal-shm-min-bytes", "0", *KEEPALIVE_ARGS]
+                 "shm", "--multimodal-shm-min-bytes", "0", "--policy", "round_robin", *KEEPALIVE_ARGS]
         gateway = start_gateway(str(bundle_dir(QWEN3)), [leg.grpc.port for leg in legs], extra=extra, log_dir=tmp_path)
         url = f"http://127.0.0.1:{gateway.port}"
         chat = f"{url}/v1/chat/completions"
         pid = gateway.proc.pid
         expected = _answer(client.post(chat, json=body))
-        frozen = legs[0].grpc
+        frozen = legs[1].grpc
         frozen.freeze()
         try:
             thread, box = _in_thread(lambda: _timed_post(client, chat, body))
-            assert _poll(lambda: _in_flight(client, url)[0] == 1, 10.0), _in_flight(client, url)
+            assert _poll(lambda: _in_flight(client, url)[1] == 1, 10.0), _in_flight(client, url)
             assert _answer(client.post(chat, json=body)) == expected  # the other worker serves meanwhile
             thread.join(SILENT_BOUND_S + 5.0)
             assert not thread.is_alive(), "hung request"
