@@ -31,6 +31,8 @@ class ErrorCode(StrEnum):
     CLIENT_DISCONNECTED = "client_disconnected"  # the client left before its request was read; never delivered
     SERVER_BUSY = "server_busy"  # past --max-connections open connections
     MODEL_NOT_FOUND = "model_not_found"
+    WORKER_NOT_FOUND = "worker_not_found"  # admin API: no registered worker has this id
+    WORKER_EXISTS = "worker_exists"  # admin API: a worker with this URL is registered already
     MULTIMODAL_NOT_SUPPORTED = "multimodal_not_supported"
     MEDIA_COUNT_MISMATCH = "media_count_mismatch"
     MM_ITEM_LIMIT_EXCEEDED = "mm_item_limit_exceeded"
@@ -83,6 +85,8 @@ ERROR_TABLE: dict[ErrorCode, ErrorSpec] = {
     ErrorCode.CLIENT_DISCONNECTED: ErrorSpec(499, False, _INVALID),  # nginx's "client closed request"
     ErrorCode.SERVER_BUSY: ErrorSpec(503, True, _SERVER),
     ErrorCode.MODEL_NOT_FOUND: ErrorSpec(404, False, _INVALID),
+    ErrorCode.WORKER_NOT_FOUND: ErrorSpec(404, False, _INVALID),
+    ErrorCode.WORKER_EXISTS: ErrorSpec(409, False, _INVALID),
     ErrorCode.MULTIMODAL_NOT_SUPPORTED: ErrorSpec(400, False, _INVALID),
     ErrorCode.PD_DECODE_LANGUAGE_MODEL_ONLY_MROPE: ErrorSpec(400, False, _INVALID),
     ErrorCode.PD_DECODE_LANGUAGE_MODEL_ONLY_MEDIA_REFS: ErrorSpec(400, False, _INVALID),

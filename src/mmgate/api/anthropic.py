@@ -61,7 +61,7 @@ from mmgate.routing.dispatch import EngineAnswer
 if TYPE_CHECKING:
     from mmgate.chat.tokenizer import BundleTokenizer
     from mmgate.engines.base import EngineEvent
-    from mmgate.gateway.state import GatewayState
+    from mmgate.gateway.state import GatewayState, ServedModel
 
 log = logging.getLogger("mmgate.api")
 
@@ -409,7 +409,7 @@ async def message_events(answer: EngineAnswer, tokenizer: BundleTokenizer, stops
         await answer.rest.aclose()
 
 
-async def answer_messages(state: GatewayState, req: MessagesRequest) -> Response:
+async def answer_messages(state: ServedModel, req: MessagesRequest) -> Response:
     """Run ``req`` through :func:`start_chat` and render the answer (SSE or one ``message``)."""
     answer = await start_chat(state, to_chat_request(req))
     stops = list(req.stop_sequences or ())
@@ -439,8 +439,9 @@ def register_anthropic(app: FastAPI, state: GatewayState, body_limit: int) -> No
             async with request_body(state, request, body_limit) as body:
                 req = await parse_off_loop(state, parse_messages_request, body.data)
                 has_system = bool(req.system)
-                metrics.REQUESTS.labels(state.runtime.served_name, str(req.stream).lower()).inc()
-                return body.answer(await until_disconnect(request, answer_messages(state, req)))
+                served = state.model_for(req.model)
+                metrics.REQUESTS.labels(served.name, str(req.stream).lower()).inc()
+                return body.answer(await until_disconnect(request, answer_messages(served, req)))
         except GatewayError as exc:
             return anthropic_error_response(_anthropic_param(exc, has_system), error_response)
         except Exception:

@@ -65,7 +65,7 @@ from mmgate.routing.dispatch import EngineAnswer
 if TYPE_CHECKING:
     from mmgate.chat.tokenizer import BundleTokenizer
     from mmgate.engines.base import EngineEvent
-    from mmgate.gateway.state import GatewayState
+    from mmgate.gateway.state import GatewayState, ServedModel
 
 
 # ---- request shapes --------------------------------------------------------------------------
@@ -480,7 +480,7 @@ async def response_events(req: ResponsesRequest, answer: EngineAnswer, tokenizer
 # ---- the route -------------------------------------------------------------------------------
 
 
-async def answer_responses(state: GatewayState, req: ResponsesRequest) -> Response:
+async def answer_responses(state: ServedModel, req: ResponsesRequest) -> Response:
     """Translate, run and render one Responses request (pipeline errors renamed to Responses fields).
 
     Raises:
@@ -514,6 +514,7 @@ def register_responses(app: FastAPI, state: GatewayState, body_limit: int) -> No
     async def responses(request: Request) -> Response:
         async with request_body(state, request, body_limit) as body:
             req = await parse_off_loop(state, parse_responses_request, body.data)
-            metrics.REQUESTS.labels(state.runtime.served_name, str(req.stream).lower()).inc()
-            return body.answer(await until_disconnect(request, answer_responses(state, req)))
+            served = state.model_for(req.model)
+            metrics.REQUESTS.labels(served.name, str(req.stream).lower()).inc()
+            return body.answer(await until_disconnect(request, answer_responses(served, req)))
 

@@ -38,7 +38,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from enum import StrEnum
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -85,12 +87,42 @@ class HealthPolicy:
             raise ValueError("health interval and timeout must be positive, unhealthy_after at least 1")
 
 
+class WorkerStatus(StrEnum):
+    """Where a worker stands with its model (``GET /workers``' ``status``).
+
+    ``pending``: no passing probe yet (its model is not known); ``loading``: its model's bundle is being
+    fetched and loaded; ``ready``: it may take traffic (when healthy); ``failed``: its bundle or model could
+    not be had (``reason`` says why; it takes no traffic); ``draining``: removed, finishing its requests.
+    """
+
+    PENDING = "pending"
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    DRAINING = "draining"
+
+
+#: ``admit(worker)``: called after a worker's first passing probe (``status`` pending) to find its model, load it
+#: and set ``worker.model`` and ``worker.status`` (ready, or failed with a ``reason``); never raises.
+Admit = Callable[["Worker"], Awaitable[None]]
+
+
 @dataclass(slots=True)
 class Worker:
-    """One engine worker and what is known about it."""
+    """One engine worker and what is known about it.
+
+    ``id``: a stable string naming it in the admin API (``/workers/{id}``), a UUID as the Rust gateway's
+    ``WorkerId`` (smg ``model_gateway/src/worker/service.rs``, ``parse_worker_id``).  ``model``: the model it
+    serves (``--model``'s served name; else the ``served_model_name``, or ``model_path``, its GetModelInfo
+    reports); "" until known.
+    """
 
     url: str
     target: str  # host:port
+    id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    model: str = ""
+    status: WorkerStatus = WorkerStatus.PENDING
+    reason: str = ""  # why the worker is failed (its bundle or model could not be had); "" otherwise
     client: WorkerClient | None = None  # created on the serving event loop (grpc.aio binds to it)
     caps: Capabilities | None = None  # what the last passing probe said; kept through failed probes
     healthy: bool = False
@@ -102,6 +134,8 @@ class Worker:
     wire: str = ""  # the engine protocol detected (label ``wire``); "" until a probe reaches the worker
     assigned_role: Role | None = None  # the role the gateway gave this worker (None: the one it reports)
     bootstrap_port: int | None = None  # ``--prefill URL BOOTSTRAP_PORT``; None: the one the worker reports
+    #: run once when a draining worker's last request is released (set by :meth:`WorkerRegistry.remove`)
+    on_drained: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         self._label_wire_and_role()
@@ -166,8 +200,22 @@ class Worker:
                 metrics.ACTIVE_REQUESTS.dec()
                 for fn in also:
                     fn()
+                if self.in_flight == 0 and self.on_drained is not None:
+                    drained, self.on_drained = self.on_drained, None
+                    drained()
 
         return release
+
+    @property
+    def serving(self) -> bool:
+        """Whether the worker may take new traffic of its model: its model is loaded and it is not draining."""
+        return self.status is WorkerStatus.READY
+
+    def reported_model(self) -> str:
+        """The model its GetModelInfo reports: ``served_model_name``, else ``model_path`` ("" before a passing
+        probe), as the Rust gateway names a gRPC worker's model (``model_id`` from the server's info)."""
+        labels = self.caps.labels if self.caps is not None else {}
+        return labels.get("served_model_name", "") or labels.get("model_path", "")
 
     def accepts(self, modalities: Iterable[Modality]) -> bool:
         """Whether this worker takes every one of ``modalities`` (its wire x model, the capability matrix)."""
@@ -186,25 +234,94 @@ def _serves(worker: Worker, role: Role) -> bool:
 
 
 class WorkerRegistry:
-    """All workers of the served model."""
+    """The gateway's workers (the root registry), or one model's view of them (:meth:`view`).
+
+    The root holds every worker, probes them and adds or removes them (:meth:`add`, :meth:`remove`); a view
+    shares the root's workers and lists only those that serve its model and may take traffic
+    (``status`` ready: loaded, not draining), so selection and the dispatchers read one model's workers.
+    ``admit``: see :data:`Admit`; None: a worker is ready as soon as it is registered.
+    """
 
     def __init__(self, urls: Iterable[str], policy: HealthPolicy | None = None,
                  prefill: Iterable[tuple[str, int | None]] = (), decode: Iterable[str] = (),
                  encode: Iterable[tuple[str, int | None]] = (),
-                 keepalive: KeepaliveSettings = DEFAULT_KEEPALIVE) -> None:
-        self.workers = [Worker(url=u, target=parse_worker_url(u)) for u in urls]
-        self.workers += [Worker(url=u, target=parse_worker_url(u), assigned_role=Role.PREFILL, bootstrap_port=port)
-                         for u, port in prefill]
-        self.workers += [Worker(url=u, target=parse_worker_url(u), assigned_role=Role.DECODE) for u in decode]
-        self.workers += [Worker(url=u, target=parse_worker_url(u), assigned_role=Role.ENCODE, bootstrap_port=port)
-                         for u, port in encode]
+                 keepalive: KeepaliveSettings = DEFAULT_KEEPALIVE, admit: Admit | None = None) -> None:
+        self._pool = [Worker(url=u, target=parse_worker_url(u)) for u in urls]
+        self._pool += [Worker(url=u, target=parse_worker_url(u), assigned_role=Role.PREFILL, bootstrap_port=port)
+                       for u, port in prefill]
+        self._pool += [Worker(url=u, target=parse_worker_url(u), assigned_role=Role.DECODE) for u in decode]
+        self._pool += [Worker(url=u, target=parse_worker_url(u), assigned_role=Role.ENCODE, bootstrap_port=port)
+                       for u, port in encode]
         self.policy = policy or HealthPolicy()
         self.keepalive = keepalive  # of every worker's channel (--engine-keepalive-*)
+        self.admit = admit
+        if admit is None:
+            for w in self._pool:
+                w.status = WorkerStatus.READY
+        self._root = True
+        self._model: str | None = None  # a view's model; None: every model
         self._task: asyncio.Task[None] | None = None
+        self._closing: set[asyncio.Task[None]] = set()
+
+    @property
+    def workers(self) -> list[Worker]:
+        """The root: every registered worker (draining ones included); a view: its model's serving workers."""
+        if self._root:
+            return self._pool
+        return [w for w in self._pool if w.serving and (self._model is None or w.model == self._model)]
+
+    def view(self, model: str | None) -> WorkerRegistry:
+        """The workers of ``model`` (None: of every model, the one ``--model`` serves) that may take traffic,
+        sharing this registry's workers and policy."""
+        other = object.__new__(WorkerRegistry)
+        other._pool, other.policy, other.keepalive, other.admit = self._pool, self.policy, self.keepalive, self.admit
+        other._root, other._model, other._task, other._closing = False, model, None, self._closing
+        return other
+
+    def get(self, worker_id: str) -> Worker | None:
+        """The registered worker with this ``id`` (draining ones included), else None."""
+        return next((w for w in self._pool if w.id == worker_id), None)
+
+    async def add(self, url: str, role: Role | None = None, bootstrap_port: int | None = None) -> Worker:
+        """Register the worker at ``url`` and probe it once (its model found and loaded by ``admit``) before it
+        is listed, so it takes no traffic before its capabilities and model are known.
+
+        Raises:
+            ValueError: ``url`` is not ``grpc://host:port``.
+        """
+        worker = Worker(url=url, target=parse_worker_url(url), assigned_role=role, bootstrap_port=bootstrap_port)
+        if self.admit is None:
+            worker.status = WorkerStatus.READY
+        await self._probe(worker)
+        self._pool.append(worker)
+        return worker
+
+    def remove(self, worker: Worker) -> None:
+        """Take ``worker`` out of rotation: it gets no new traffic; once its requests in flight are released it
+        leaves the registry and its channel is closed (at once when it has none)."""
+        worker.status = WorkerStatus.DRAINING
+
+        def drained() -> None:
+            if worker in self._pool:
+                self._pool.remove(worker)
+            try:
+                metrics.WORKER_HEALTHY.remove(worker.url)
+            except KeyError:  # never probed
+                pass
+            if worker.client is not None:
+                task = asyncio.get_running_loop().create_task(worker.client.close())
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+
+        if worker.in_flight == 0:
+            drained()
+        else:
+            worker.on_drained = drained
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> WorkerRegistry:
-        """The registry of ``settings.worker_urls`` with the ``--worker-health-*`` policy.
+    def from_settings(cls, settings: Settings, admit: Admit | None = None) -> WorkerRegistry:
+        """The registry of ``settings.worker_urls`` with the ``--worker-health-*`` policy (``admit``: see
+        :data:`Admit`).
 
         Raises:
             ValueError: a worker URL that is not ``grpc://host:port``, or a bad health policy.
@@ -213,7 +330,7 @@ class WorkerRegistry:
                                                       timeout_s=settings.worker_health_timeout_s,
                                                       unhealthy_after=settings.worker_unhealthy_after),
                    prefill=settings.prefill_workers, decode=settings.decode_workers, encode=settings.encode_workers,
-                   keepalive=settings.engine_keepalive)
+                   keepalive=settings.engine_keepalive, admit=admit)
 
     @property
     def health_interval_s(self) -> float:
@@ -226,7 +343,7 @@ class WorkerRegistry:
 
     async def refresh(self) -> None:
         """Probe every worker once (HealthCheck, then GetModelInfo + GetServerInfo for the labels)."""
-        await asyncio.gather(*(self._probe(w) for w in self.workers))
+        await asyncio.gather(*(self._probe(w) for w in list(self._pool)))
 
     async def _probe(self, worker: Worker) -> None:
         if worker.client is None:
@@ -234,6 +351,9 @@ class WorkerRegistry:
         was = worker.healthy
         probe = await worker.client.probe(self.policy.timeout_s)
         healthy = worker.record_probe(probe, self.policy, time.monotonic(), worker.client.last_answer)
+        if healthy and worker.status is WorkerStatus.PENDING and worker.caps is not None and self.admit is not None:
+            worker.status = WorkerStatus.LOADING
+            await self.admit(worker)
         if healthy != was:
             log.warning("worker %s is %s (probe: %s, %d consecutive failures)", worker.url,
                         "healthy" if healthy else "unhealthy", probe.outcome.value, worker.failures)
@@ -257,7 +377,7 @@ class WorkerRegistry:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        await asyncio.gather(*(w.client.close() for w in self.workers if w.client is not None))
+        await asyncio.gather(*(w.client.close() for w in self._pool if w.client is not None), *self._closing)
 
     def check_kinds(self, kinds: Mapping[MediaKind, str]) -> None:
         """Refuse, before anything is fetched, media that no registered worker of the model takes.
@@ -296,7 +416,7 @@ class WorkerRegistry:
                 (retryable 503).
         """
         wanted = list(modalities)
-        healthy = [w for w in self.workers if w.healthy and _serves(w, role)]
+        healthy = [w for w in self.workers if w.healthy and _serves(w, role) and w.status is not WorkerStatus.DRAINING]
         if not healthy:
             what = "" if role is Role.SINGLE else f"{role.value} "
             raise GatewayError(ErrorCode.NO_HEALTHY_WORKER, f"no healthy {what}worker for this model")
