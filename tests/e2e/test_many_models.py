@@ -9,7 +9,9 @@ is loaded once.  With the ``openai`` client:
   of that model's transformers processor for the same conversation (computed here);
 * ``/v1/models`` lists both, with their modalities; ``GET /workers`` shows each worker's model;
 * an unknown model is 404 ``model_not_found`` in each API's own error shape (chat completions, Responses,
-  Anthropic messages).
+  Anthropic messages);
+* a worker whose bundle cannot be had (a bundle source that refuses it) is shown ``failed`` with its model
+  and the reason, and its model is not served.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import pytest
 from PIL import Image
 
 from mmgate.config.settings import parse_settings
+from mmgate.gateway.state import build_state
+from mmgate.routing.workers import Worker
 from mmgate.refengine.config import EngineConfig
 from mmgate.refengine.server import RunningEngine, start_engine
 from tests.conftest import bundle_dir
@@ -123,3 +127,21 @@ def test_an_unknown_model_is_404_model_not_found_on_every_api(gateway: str) -> N
     assert body["type"] == "error" and body["error"]["type"] == "not_found_error"
     for resp in (chat, responses, messages):
         assert "no-such" not in resp.text
+
+
+async def _refusing_source(worker: Worker) -> Path:
+    raise ValueError("archive member escapes the bundle folder")
+
+
+def test_a_worker_whose_bundle_cannot_be_had_is_shown_failed_and_gets_no_traffic(
+        engines: dict[str, RunningEngine]) -> None:
+    with tempfile.TemporaryDirectory(prefix="mmgate-no-bundles-") as empty:
+        settings = parse_settings(["--worker-urls", f"grpc://{engines[GEMMA].address}", "--model-path", empty], {})
+        with gateway_in_thread(settings, build_state(settings, bundles=_refusing_source)) as base:
+            workers = httpx.get(base + "/workers", timeout=10).json()["workers"]
+            assert [(w["model_id"], w["status"], w["reason"], w["healthy"]) for w in workers] == [
+                (GEMMA, "failed", "ValueError: archive member escapes the bundle folder", True)]
+            assert httpx.get(base + "/v1/models", timeout=10).json()["data"] == []
+            resp = httpx.post(base + "/v1/chat/completions", timeout=10,
+                              json={"model": GEMMA, "messages": [{"role": "user", "content": "hi"}]})
+            assert (resp.status_code, resp.headers["X-SMG-Error-Code"]) == (404, "model_not_found")
