@@ -107,10 +107,10 @@ def test_each_model_answers_by_name_with_its_processors_prompt_tokens(gateway: s
 def test_models_lists_both_with_their_modalities_and_workers_show_their_model(gateway: str) -> None:
     data = httpx.get(gateway + "/v1/models", timeout=10).json()["data"]
     assert sorted((m["id"], tuple(m["modalities"])) for m in data) == [
-        (GEMMA, ("text", "image")), (QWEN, ("text", "image", "video"))]
+        (QWEN, ("text", "image", "video")), (GEMMA, ("text", "image"))]  # sorted: upper case first
     workers = httpx.get(gateway + "/workers", timeout=10).json()["workers"]
     assert sorted((w["model_id"], w["status"], w["healthy"]) for w in workers) == [
-        (GEMMA, "ready", True), (QWEN, "ready", True)]
+        (QWEN, "ready", True), (GEMMA, "ready", True)]
 
 
 def test_an_unknown_model_is_404_model_not_found_on_every_api(gateway: str) -> None:
