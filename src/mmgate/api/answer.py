@@ -40,7 +40,7 @@ async def start_chat(state: ServedModel, req: ChatCompletionRequest) -> EngineAn
     with timing_log.request_scope(state.settings.log_mm_timing, request_id, state.runtime.served_name) as record:
         answer = await dispatcher_for(state, req).start(state, req, request_id, record)
     first_s = answer.prepared.timings_ms.get("engine_first_response", 0.0) / 1000.0
-    metrics.STAGE_SECONDS.labels("engine_first_response").observe(first_s)
+    metrics.STAGE_SECONDS.labels(state.runtime.served_name, "engine_first_response").observe(first_s)
     if req.stream:
         metrics.TTFT_SECONDS.labels(state.runtime.served_name).observe(time.perf_counter() - started)
     return answer

@@ -331,7 +331,7 @@ async def message_body(answer: EngineAnswer, tokenizer: BundleTokenizer, stops: 
     output = output or list(complete.token_ids)
     text = tokenizer.decode(output)
     reason, stop_sequence, keep = _stop_reason(complete, text, stops)
-    metrics.COMPLETION_TOKENS.inc(len(output))
+    metrics.COMPLETION_TOKENS.labels(answer.prepared.model).inc(len(output))
     return {"id": _message_id(answer), "type": "message", "role": "assistant", "model": answer.prepared.model,
             "content": [{"type": "text", "text": text[:keep]}], "stop_reason": reason, "stop_sequence": stop_sequence,
             "usage": {"input_tokens": _prompt_tokens(answer, complete), "output_tokens": len(output)}}
@@ -400,7 +400,7 @@ async def message_events(answer: EngineAnswer, tokenizer: BundleTokenizer, stops
             event = await anext(answer.rest, None)
         else:
             raise GatewayError(ErrorCode.ENGINE_ERROR, "engine stream ended without a completion")
-        metrics.COMPLETION_TOKENS.inc(count)
+        metrics.COMPLETION_TOKENS.labels(answer.prepared.model).inc(count)
     except GatewayError as exc:
         metrics.ERRORS.labels(exc.code.value).inc()
         yield _event("error", anthropic_error_body(exc))

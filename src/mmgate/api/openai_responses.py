@@ -417,7 +417,7 @@ async def response_body(req: ResponsesRequest, answer: EngineAnswer, tokenizer: 
     async for _, complete in _text_steps(answer, text):
         if complete is not None:
             status = _status(complete)
-            metrics.COMPLETION_TOKENS.inc(text.tokens)
+            metrics.COMPLETION_TOKENS.labels(answer.prepared.model).inc(text.tokens)
             message = render.message(text.text, status)
             return render.response(status, [message], _usage(answer, complete, text.tokens))
     raise GatewayError(ErrorCode.ENGINE_ERROR, "engine stream ended without a completion")
@@ -463,7 +463,7 @@ async def response_events(req: ResponsesRequest, answer: EngineAnswer, tokenizer
             yield event("response.content_part.done", **where, part=render.part(text.text))
             message = render.message(text.text, status)
             yield event("response.output_item.done", output_index=0, item=message)
-            metrics.COMPLETION_TOKENS.inc(text.tokens)
+            metrics.COMPLETION_TOKENS.labels(answer.prepared.model).inc(text.tokens)
             final = render.response(status, [message], _usage(answer, complete, text.tokens))
             yield event("response.completed" if status == "completed" else "response.incomplete", response=final)
     except GatewayError as exc:
