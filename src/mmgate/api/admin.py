@@ -17,6 +17,7 @@ role, a bad bootstrap port, a worker id that is not a UUID -> 400 ``invalid_requ
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -38,12 +39,17 @@ _SMG_WORKER_TYPES = {"regular": Role.SINGLE.value}
 
 
 def worker_info(worker: Worker) -> dict[str, Any]:
-    """What ``GET /workers`` and ``GET /workers/{id}`` show of one worker."""
+    """What ``GET /workers`` and ``GET /workers/{id}`` show of one worker: besides its probe counts and labels,
+    ``status`` and ``reason`` (why it is ``failed``; kept while it is tried again), ``admit_failures`` (failed
+    admissions in a row) and ``next_admit_in_s`` (a failed worker: seconds until its next try, which a probe
+    round that finds it healthy starts; None otherwise)."""
     return {"id": worker.id, "url": worker.url, "model_id": worker.model, "status": worker.status.value,
             "reason": worker.reason, "role": worker.role, "bootstrap_port": worker.bootstrap_port,
             "healthy": worker.healthy, "in_flight": worker.in_flight, "labels": worker.labels,
             "consecutive_failures": worker.failures, "busy_probes": worker.busy_probes,
-            "last_probe": worker.last_probe}
+            "last_probe": worker.last_probe, "admit_failures": worker.admit_failures,
+            "next_admit_in_s": (round(max(0.0, worker.retry_at - time.monotonic()), 3)
+                                if worker.status is WorkerStatus.FAILED else None)}
 
 
 def _invalid(message: str, param: str | None = None) -> GatewayError:

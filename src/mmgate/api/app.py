@@ -105,14 +105,18 @@ def create_app(state: GatewayState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """200 while some worker is healthy; else 503 with the error body of ``no_healthy_worker`` too
-        (not counted in the error metrics: a health poll is not a failed request)."""
-        healthy = sum(1 for w in state.workers.workers if w.healthy)
+        """200 while some worker can take traffic (ready: its model loaded, not draining; and healthy); else
+        503 with the error body of ``no_healthy_worker`` too (not counted in the error metrics: a health poll
+        is not a failed request).  ``healthy_workers`` counts those workers; a worker that answers its probes
+        but whose model could not be loaded (``failed``, see ``GET /workers``) or is still loading is not
+        counted."""
+        workers = state.workers.workers
+        healthy = sum(1 for w in workers if w.takes_traffic)
         body: dict[str, object] = {"status": "ok" if healthy else "unavailable", "healthy_workers": healthy,
-                                   "workers": len(state.workers.workers)}
+                                   "workers": len(workers)}
         if healthy:
             return JSONResponse(body)
-        exc = GatewayError(ErrorCode.NO_HEALTHY_WORKER, "no healthy worker")
+        exc = GatewayError(ErrorCode.NO_HEALTHY_WORKER, "no worker can take traffic (see GET /workers)")
         return JSONResponse({**body, **exc.body()}, status_code=exc.status,
                             headers={"X-SMG-Error-Code": exc.code.value, "Retry-After": "1"})
 

@@ -31,6 +31,15 @@ registered worker takes is refused with ``multimodal_not_supported`` (400) befor
 anything is fetched (:meth:`WorkerRegistry.check_kinds`); selection refuses the same
 way when the healthy workers cannot take it.  A worker whose wire has no adapter in
 this gateway is listed and counted, never selected.
+
+Admission (no ``--model``, issue 25): after a worker's first passing probe its model is found and loaded
+(:data:`Admit`); it takes traffic once ``ready``.  A worker ``failed`` there (its bundle or model could
+not be had) stays ``failed`` with its ``reason`` (no traffic) while it is tried again on a later probe
+round that finds it healthy, after a backoff that doubles with each failure in a row: one probe interval,
+then two, four, ... at most :data:`ADMIT_RETRY_MAX_S`; so a worker whose bundle becomes available is
+admitted without a restart.
+Admission runs beside the probe rounds (a slow bundle fetch never delays the other workers' probes);
+the first round at start-up and :meth:`WorkerRegistry.add` wait for it.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from enum import StrEnum
+from functools import partial
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -92,7 +102,8 @@ class WorkerStatus(StrEnum):
 
     ``pending``: no passing probe yet (its model is not known); ``loading``: its model's bundle is being
     fetched and loaded; ``ready``: it may take traffic (when healthy); ``failed``: its bundle or model could
-    not be had (``reason`` says why; it takes no traffic); ``draining``: removed, finishing its requests.
+    not be had (``reason`` says why; it takes no traffic; tried again after a backoff, staying ``failed``
+    until it is ready); ``draining``: removed, finishing its requests.
     """
 
     PENDING = "pending"
@@ -101,6 +112,9 @@ class WorkerStatus(StrEnum):
     FAILED = "failed"
     DRAINING = "draining"
 
+
+#: the longest wait, seconds, before a failed worker's admission is tried again (the backoff's cap)
+ADMIT_RETRY_MAX_S = 60.0
 
 #: ``admit(worker)``: called after a worker's first passing probe (``status`` pending) to find its model, load it
 #: and set ``worker.model`` and ``worker.status`` (ready, or failed with a ``reason``); never raises.
@@ -136,6 +150,9 @@ class Worker:
     bootstrap_port: int | None = None  # ``--prefill URL BOOTSTRAP_PORT``; None: the one the worker reports
     #: run once when a draining worker's last request is released (set by :meth:`WorkerRegistry.remove`)
     on_drained: Callable[[], None] | None = None
+    removed: bool = False  # taken out by :meth:`WorkerRegistry.remove` (an admission under way must not revive it)
+    admit_failures: int = 0  # failed admissions in a row (its bundle or model could not be had); 0 once ready
+    retry_at: float = 0.0  # time.monotonic() before which a failed worker's admission is not tried again
 
     def __post_init__(self) -> None:
         self._label_wire_and_role()
@@ -211,6 +228,17 @@ class Worker:
         """Whether the worker may take new traffic of its model: its model is loaded and it is not draining."""
         return self.status is WorkerStatus.READY
 
+    @property
+    def takes_traffic(self) -> bool:
+        """Whether a request could be sent to it now: ready (:attr:`serving`) and healthy (what ``/health``
+        counts)."""
+        return self.serving and self.healthy
+
+    def admission_due(self, now: float) -> bool:
+        """Whether its model should be looked for now: never tried (``pending``), or ``failed`` and past its
+        backoff (``now``: ``time.monotonic()``)."""
+        return self.status is WorkerStatus.PENDING or (self.status is WorkerStatus.FAILED and now >= self.retry_at)
+
     def reported_model(self) -> str:
         """The model its GetModelInfo reports: ``served_model_name``, else ``model_path`` ("" before a passing
         probe), as the Rust gateway names a gRPC worker's model (``model_id`` from the server's info)."""
@@ -262,6 +290,7 @@ class WorkerRegistry:
         self._model: str | None = None  # a view's model; None: every model
         self._task: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Task[None]] = set()
+        self._admissions: dict[str, asyncio.Task[None]] = {}  # worker id -> its admission under way
 
     @property
     def workers(self) -> list[Worker]:
@@ -276,6 +305,7 @@ class WorkerRegistry:
         other = object.__new__(WorkerRegistry)
         other._pool, other.policy, other.keepalive, other.admit = self._pool, self.policy, self.keepalive, self.admit
         other._root, other._model, other._task, other._closing = False, model, None, self._closing
+        other._admissions = self._admissions
         return other
 
     def get(self, worker_id: str) -> Worker | None:
@@ -299,7 +329,7 @@ class WorkerRegistry:
     def remove(self, worker: Worker) -> None:
         """Take ``worker`` out of rotation: it gets no new traffic; once its requests in flight are released it
         leaves the registry and its channel is closed (at once when it has none)."""
-        worker.status = WorkerStatus.DRAINING
+        worker.status, worker.removed = WorkerStatus.DRAINING, True
 
         def drained() -> None:
             if worker in self._pool:
@@ -341,19 +371,53 @@ class WorkerRegistry:
     def health_interval_s(self, value: float) -> None:
         self.policy = replace(self.policy, interval_s=value)
 
-    async def refresh(self) -> None:
-        """Probe every worker once (HealthCheck, then GetModelInfo + GetServerInfo for the labels)."""
-        await asyncio.gather(*(self._probe(w) for w in list(self._pool)))
+    async def refresh(self, wait: bool = True) -> None:
+        """Probe every worker once (HealthCheck, then GetModelInfo + GetServerInfo for the labels), starting
+        the admission of each healthy worker whose admission is due (:meth:`Worker.admission_due`).
 
-    async def _probe(self, worker: Worker) -> None:
+        ``wait``: also wait for the admissions under way (False: the background probe rounds).
+        """
+        await asyncio.gather(*(self._probe(w, wait) for w in list(self._pool)))
+
+    def retry_delay_s(self, failures: int) -> float:
+        """Seconds before a worker whose admission failed ``failures`` times in a row is tried again: one
+        probe interval, doubled per further failure, at most :data:`ADMIT_RETRY_MAX_S`."""
+        return min(self.policy.interval_s * 2.0 ** min(failures - 1, 30), ADMIT_RETRY_MAX_S)
+
+    async def _admit(self, worker: Worker) -> None:
+        assert self.admit is not None
+        await self.admit(worker)
+        if worker.removed:  # removed while its model loaded: it stays out
+            worker.status = WorkerStatus.DRAINING
+        elif worker.status is WorkerStatus.FAILED:
+            worker.admit_failures += 1
+            delay = self.retry_delay_s(worker.admit_failures)
+            worker.retry_at = time.monotonic() + delay
+            log.warning("worker %s: admission failed %d time(s) in a row; next try in %.1f s", worker.url,
+                        worker.admit_failures, delay)
+        else:
+            worker.admit_failures, worker.retry_at = 0, 0.0
+
+    def _admitted(self, worker_id: str, _: asyncio.Task[None]) -> None:
+        self._admissions.pop(worker_id, None)
+
+    async def _probe(self, worker: Worker, wait: bool = True) -> None:
         if worker.client is None:
             worker.client = WorkerClient(worker.target, self.keepalive)
         was = worker.healthy
         probe = await worker.client.probe(self.policy.timeout_s)
-        healthy = worker.record_probe(probe, self.policy, time.monotonic(), worker.client.last_answer)
-        if healthy and worker.status is WorkerStatus.PENDING and worker.caps is not None and self.admit is not None:
-            worker.status = WorkerStatus.LOADING
-            await self.admit(worker)
+        now = time.monotonic()
+        healthy = worker.record_probe(probe, self.policy, now, worker.client.last_answer)
+        if (healthy and worker.caps is not None and self.admit is not None and not worker.removed
+                and worker.admission_due(now) and worker.id not in self._admissions):
+            if worker.status is WorkerStatus.PENDING:
+                worker.status = WorkerStatus.LOADING  # a failed worker stays failed, with its reason, until ready
+            task = asyncio.get_running_loop().create_task(self._admit(worker))
+            self._admissions[worker.id] = task
+            task.add_done_callback(partial(self._admitted, worker.id))
+        admitting = self._admissions.get(worker.id)
+        if wait and admitting is not None:
+            await asyncio.shield(admitting)
         if healthy != was:
             log.warning("worker %s is %s (probe: %s, %d consecutive failures)", worker.url,
                         "healthy" if healthy else "unhealthy", probe.outcome.value, worker.failures)
@@ -368,7 +432,7 @@ class WorkerRegistry:
         while True:
             await asyncio.sleep(self.policy.interval_s)
             try:
-                await self.refresh()
+                await self.refresh(wait=False)
             except Exception:  # a probe must never kill the loop
                 log.exception("worker health refresh failed")
 
@@ -377,6 +441,10 @@ class WorkerRegistry:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        admissions = list(self._admissions.values())
+        for task in admissions:
+            task.cancel()
+        await asyncio.gather(*admissions, return_exceptions=True)
         await asyncio.gather(*(w.client.close() for w in self._pool if w.client is not None), *self._closing)
 
     def check_kinds(self, kinds: Mapping[MediaKind, str]) -> None:
