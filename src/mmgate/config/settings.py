@@ -251,6 +251,36 @@ class KeepaliveSettings:
 _KEEPALIVE_DEFAULTS = KeepaliveSettings()
 
 
+@dataclass(frozen=True, slots=True)
+class BundleLimits:
+    """Bounds on a bundle fetched from a worker (``GetTokenizer``; :mod:`mmgate.routing.bundles`;
+    docs/engines.md, "Bundles from the workers").
+
+    The Rust gateway's bounds where it has them (lightseekorg/smg ``crates/grpc_client/src/tokenizer_bundle.rs``:
+    ``MAX_STREAM_BUNDLE_SIZE`` 200 MiB, ``MAX_ZIP_ENTRIES`` 50, ``MAX_UNCOMPRESSED_SIZE`` 500 MiB; ``lib.rs``
+    ``impl_get_tokenizer``: 120 s for the call and the stream); SMG has no per-file bound: 256 MiB here,
+    eight times the largest tokenizer file of the shared bundles (Gemma 3's 33 MB ``tokenizer.json``).
+    """
+
+    timeout_s: float = 120.0  # the whole GetTokenizer call: connect, every chunk, the end
+    max_archive_bytes: int = 200 * 1024 * 1024  # the archive as streamed (compressed)
+    max_members: int = 50  # files and folders in the archive
+    max_member_bytes: int = 256 * 1024 * 1024  # one file, uncompressed
+    max_unpacked_bytes: int = 500 * 1024 * 1024  # every file together, uncompressed
+
+
+_BUNDLE_DEFAULTS = BundleLimits()
+ENV_BUNDLE_CACHE_DIR = "MMGATE_BUNDLE_CACHE_DIR"
+
+
+def default_bundle_cache_dir(environ: Mapping[str, str]) -> Path:
+    """Where fetched bundles are kept when ``--worker-bundle-cache-dir`` is not given:
+    ``$XDG_CACHE_HOME/mmgate/bundles``, else ``$HOME/.cache/mmgate/bundles`` (the XDG base directory rule
+    Hugging Face and vLLM caches follow), else ``./.cache/mmgate/bundles``."""
+    root = environ.get("XDG_CACHE_HOME") or (str(Path(environ["HOME"]) / ".cache") if environ.get("HOME") else ".cache")
+    return Path(root) / "mmgate" / "bundles"
+
+
 class TensorTransport(StrEnum):
     """How encoder tensors travel to a worker (per tensor)."""
 
@@ -401,6 +431,11 @@ class Settings:
     malloc_mmap_threshold: int = 32 * 1024 * 1024  # bytes: fixed glibc M_MMAP_THRESHOLD; 0: glibc's dynamic default
     malloc_trim_threshold: int = 64 * 1024 * 1024  # bytes: fixed glibc M_TRIM_THRESHOLD; 0: glibc's dynamic default
     malloc_arena_max: int = 1  # glibc M_ARENA_MAX; 0: glibc's default (8 per core)
+    #: bounds on a bundle fetched from a worker (``GetTokenizer``; :mod:`mmgate.routing.bundles`)
+    bundle_limits: BundleLimits = field(default_factory=BundleLimits)
+    #: folder of fetched bundles, ``<dir>/<sha256>``; ``parse_settings`` always sets it
+    #: (:func:`default_bundle_cache_dir`), None only in settings built by hand
+    bundle_cache_dir: Path | None = None
 
 
 def split_search_path(value: str | None) -> tuple[Path, ...]:
@@ -566,6 +601,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(g, "--encode-policy", choices=["consistent_hashing", "round_robin", "random"],
                default="consistent_hashing", help="how an item's encode worker is picked (consistent_hashing: "
                "by the item's content hash)")
+    add_option(g, "--worker-bundle-cache-dir", type=Path, env=(ENV_BUNDLE_CACHE_DIR,), env_doc=("XDG_CACHE_HOME",),
+               metavar="DIR", help="folder keeping the bundles fetched from workers (GetTokenizer), one <sha256> "
+                                   "folder each (unset: $XDG_CACHE_HOME/mmgate/bundles, else ~/.cache/mmgate/bundles)")
+    add_option(g, "--worker-bundle-timeout", type=float, default=_BUNDLE_DEFAULTS.timeout_s, minimum=1,
+               help="seconds a worker's GetTokenizer may take, from the call to its last chunk (as SMG)")
+    add_option(g, "--worker-bundle-max-bytes", type=int, default=_BUNDLE_DEFAULTS.max_archive_bytes, minimum=1,
+               help="largest bundle archive a worker may stream, bytes (as SMG); reading stops past it")
+    add_option(g, "--worker-bundle-max-files", type=int, default=_BUNDLE_DEFAULTS.max_members, minimum=1,
+               help="most files and folders in a bundle archive (as SMG)")
+    add_option(g, "--worker-bundle-max-file-bytes", type=int, default=_BUNDLE_DEFAULTS.max_member_bytes, minimum=1,
+               help="largest file of a bundle archive, uncompressed bytes (declared and counted while extracting)")
+    add_option(g, "--worker-bundle-max-unpacked-bytes", type=int, default=_BUNDLE_DEFAULTS.max_unpacked_bytes, minimum=1,
+               help="all files of a bundle archive together, uncompressed bytes (as SMG)")
     g = p.add_argument_group("HTTP limits")
     add_option(g, "--max-request-body-bytes", type=int, default=0,
                help="413 request_too_large past this body size (0: largest per-item cap in base64 + 1 MiB)")
@@ -618,6 +666,13 @@ def build_parser() -> argparse.ArgumentParser:
                help="log one smg_mm_timing line per media request, plus video decode and tensor transport "
                     "events, at INFO (docs/metrics.md)")
     return p
+
+
+def bundle_limits(ns: argparse.Namespace) -> BundleLimits:
+    """The :class:`BundleLimits` of a ``mmgate serve`` namespace, resolved."""
+    return BundleLimits(timeout_s=ns.worker_bundle_timeout, max_archive_bytes=ns.worker_bundle_max_bytes,
+                        max_members=ns.worker_bundle_max_files, max_member_bytes=ns.worker_bundle_max_file_bytes,
+                        max_unpacked_bytes=ns.worker_bundle_max_unpacked_bytes)
 
 
 def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
@@ -679,4 +734,6 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         malloc_mmap_threshold=_mmap_threshold(ns.malloc_mmap_threshold),
         malloc_trim_threshold=_trim_threshold(ns.malloc_trim_threshold),
         malloc_arena_max=ns.malloc_arena_max,
+        bundle_limits=bundle_limits(ns),
+        bundle_cache_dir=ns.worker_bundle_cache_dir or default_bundle_cache_dir(environ),
     )

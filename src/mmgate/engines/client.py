@@ -26,9 +26,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from smg_grpc_proto.generated import common_pb2
 
 from mmgate.engines.adapter import WireAdapter, adapter_for
 from mmgate.engines.base import (
@@ -41,6 +43,7 @@ from mmgate.engines.base import (
     Wire,
 )
 from mmgate.engines.probe import DETECTION_ORDER, SERVICES, WireService
+from mmgate.engines.rpc_errors import map_rpc_error
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.config.settings import KeepaliveSettings
 from mmgate.transport.limits import GRPC_MAX_MESSAGE_BYTES
@@ -93,6 +96,14 @@ def probe_outcome(code: grpc.StatusCode) -> ProbeOutcome:
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return ProbeOutcome.TIMEOUT
     return ProbeOutcome.ERROR
+
+
+@dataclass(frozen=True, slots=True)
+class BundleChunk:
+    """One piece of a worker's bundle archive (a ``GetTokenizerChunk``, smg-grpc-proto ``common.proto``)."""
+
+    data: bytes  # the archive's next bytes (the chunks concatenated are the ZIP)
+    sha256: str  # the whole archive's SHA-256 hex digest on the last chunk; "" on every other
 
 
 class _NotThisService(Exception):
@@ -243,6 +254,52 @@ class WorkerClient:
                     yield event
         except grpc.aio.AioRpcError as exc:
             raise adapter.map_error(exc) from None
+        finally:
+            if not call.done():
+                call.cancel()
+
+    async def get_tokenizer(self, timeout_s: float, max_bytes: int) -> AsyncGenerator[BundleChunk, None]:
+        """Stream the worker's ``GetTokenizer`` (every wire serves it with the common messages, under its own
+        service: :data:`~mmgate.engines.probe.SERVICES`), detecting the wire first when unknown.
+
+        Mirrors SMG's ``impl_get_tokenizer`` / ``collect_bundle_from_rpc`` (lightseekorg/smg
+        ``crates/grpc_client/src/lib.rs``, ``tokenizer_bundle.rs``): one deadline of ``timeout_s`` seconds
+        covers detection, the call and every chunk; a chunk that would bring the bytes read past
+        ``max_bytes`` is not yielded and the call is cancelled (nothing more is read).  The consumer checks
+        the archive (:mod:`mmgate.routing.bundles`).
+
+        Raises:
+            GatewayError: the call failed (:func:`~mmgate.engines.rpc_errors.map_rpc_error`: nothing
+                listening or out of time ``engine_unavailable``; a servicer without the RPC, ``UNIMPLEMENTED``,
+                ``engine_error``); ``no_healthy_worker`` for a worker serving no engine service;
+                ``engine_error`` for an archive longer than ``max_bytes``.
+        """
+        deadline = time.monotonic() + timeout_s
+        if self.wire is None:
+            try:
+                found = await self._health(timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                raise map_rpc_error(exc) from None
+            if found is None:
+                raise GatewayError(ErrorCode.NO_HEALTHY_WORKER, f"worker {self.target} serves no engine service")
+        assert self.wire is not None
+        method = SERVICES[self.wire].method("GetTokenizer")
+        key = (method, True)
+        if key not in self._methods:
+            self._methods[key] = self._channel.unary_stream(
+                method, request_serializer=common_pb2.GetTokenizerRequest.SerializeToString,
+                response_deserializer=common_pb2.GetTokenizerChunk.FromString)
+        call = self._methods[key](common_pb2.GetTokenizerRequest(), timeout=max(deadline - time.monotonic(), 0.001))
+        received = 0
+        try:
+            while (chunk := await call.read()) is not grpc.aio.EOF:
+                self.last_answer = time.monotonic()
+                received += len(chunk.data)
+                if received > max_bytes:
+                    raise GatewayError(ErrorCode.ENGINE_ERROR, f"the bundle archive exceeds {max_bytes} bytes")
+                yield BundleChunk(chunk.data, chunk.sha256)
+        except grpc.aio.AioRpcError as exc:
+            raise map_rpc_error(exc) from None
         finally:
             if not call.done():
                 call.cancel()

@@ -59,6 +59,7 @@ from mmgate.refengine.device_normalize import DeviceNormalizer
 from mmgate.refengine.mm_inputs import mm_batches, prompt_ids, vllm_batches
 from mmgate.refengine.mm_processor import WorkerMedia
 from mmgate.refengine.streaming import VllmWriter
+from mmgate.refengine.tokenizer_bundle import ServesTokenizer, TokenizerBundle
 from mmgate.refengine.wire_base import TRANSFER_BACKEND, advertised_host, serve_generate
 from mmgate.transport.shm import shm_namespace_id
 
@@ -109,7 +110,7 @@ def kv_transfer_params(request: vllm_engine_pb2.GenerateRequest) -> dict[str, An
     return None
 
 
-class RefEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
+class RefEngineServicer(ServesTokenizer, vllm_engine_pb2_grpc.VllmEngineServicer):
     """The vLLM wire over an :class:`EngineCore`."""
 
     def __init__(self, config: EngineConfig, core: EngineCore) -> None:
@@ -118,6 +119,7 @@ class RefEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._loaded = core.loaded
         self._media = WorkerMedia(config.mm, config.model)
         self._engine_id = f"refengine-{uuid.uuid4().hex[:12]}"
+        self._tokenizer = TokenizerBundle(self._loaded.facts.model_path)
 
     def shutdown(self) -> None:
         """Cancel in-flight requests and stop the model thread."""

@@ -56,6 +56,7 @@ from mmgate.refengine.mm_inputs import (
 )
 from mmgate.refengine.streaming import SglangWriter
 from mmgate.refengine.tensors import tensor_from_bytes
+from mmgate.refengine.tokenizer_bundle import ServesTokenizer, TokenizerBundle
 from mmgate.refengine.wire_base import (
     ENGINE_VERSION,
     TRANSFER_BACKEND,
@@ -112,13 +113,14 @@ def image_batch(mm: pb.MultimodalInputs, normalizer: DeviceNormalizer | None = N
                       DEFAULT_ENCODER_INPUT_KEY)
 
 
-class SglangServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
+class SglangServicer(ServesTokenizer, sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
     """The SGLang wire over an :class:`EngineCore`."""
 
     def __init__(self, config: EngineConfig, core: EngineCore) -> None:
         self._config = config
         self._core = core
         self._start_time = time.time()
+        self._tokenizer = TokenizerBundle(core.loaded.facts.model_path)
 
     def shutdown(self) -> None:
         self._core.shutdown()

@@ -54,6 +54,7 @@ from mmgate.refengine.config import EngineConfig
 from mmgate.refengine.core import EncodeLink, EngineCore, KvLink, Leg, Run
 from mmgate.refengine.mm_inputs import check_ids
 from mmgate.refengine.streaming import TokenSpeedWriter
+from mmgate.refengine.tokenizer_bundle import ServesTokenizer, TokenizerBundle
 from mmgate.refengine.tokenspeed_inputs import (
     encode_sources,
     item_batches,
@@ -79,13 +80,14 @@ def _invalid(message: str) -> GatewayError:
     return GatewayError(ErrorCode.INVALID_REQUEST, message)
 
 
-class TokenSpeedServicer(tokenspeed_scheduler_pb2_grpc.TokenSpeedSchedulerServicer):
+class TokenSpeedServicer(ServesTokenizer, tokenspeed_scheduler_pb2_grpc.TokenSpeedSchedulerServicer):
     """The TokenSpeed scheduler wire over an :class:`EngineCore` (discovery only on an encode engine)."""
 
     def __init__(self, config: EngineConfig, core: EngineCore) -> None:
         self._config = config
         self._core = core
         self._start_time = time.time()
+        self._tokenizer = TokenizerBundle(core.loaded.facts.model_path)
 
     def shutdown(self) -> None:
         self._core.shutdown()
