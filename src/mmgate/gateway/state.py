@@ -11,10 +11,11 @@ Models (issue 25):
   serves it (as before).
 * no ``--model``: each worker's model is the one its GetModelInfo reports (``served_model_name``, else
   ``model_path``), found after its first passing probe (:meth:`GatewayState.admit`).  Its bundle comes from
-  ``--model-path`` when a folder there holds it, else from the worker itself (the bundle source, see
-  :class:`GatewayState`); the tokenizer, template and family are loaded once per model, so two workers of
-  one model share one runtime.  A worker whose bundle or model cannot be had is ``failed`` with the
-  reason (``GET /workers``) and takes no traffic.
+  ``--model-path`` when a folder there holds it, else from the worker itself (the bundle source, by
+  default :func:`worker_bundles`: its ``GetTokenizer`` archive, checked and cached by SHA-256); the
+  tokenizer, template and family are loaded once per model, so two workers of one model share one
+  runtime.  A worker whose bundle or model cannot be had is ``failed`` with the reason (``GET /workers``),
+  takes no traffic, and is tried again after a backoff (:mod:`mmgate.routing.workers`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mmgate.chat.tokenizer import load_tokenizer
-from mmgate.config.settings import Settings
+from mmgate.config.settings import Settings, default_bundle_cache_dir
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.fetch import MediaFetcher
 from mmgate.models.backend import ImageBackend
@@ -41,6 +42,7 @@ from mmgate.pipeline.budget import InflightBudget
 from mmgate.pipeline.cache import PixelCache
 from mmgate.pipeline.prepare import Pipeline
 from mmgate.pipeline.runtime import ModelRuntime
+from mmgate.routing.bundles import BundleError, fetch_worker_bundle
 from mmgate.routing.workers import Worker, WorkerRegistry, WorkerStatus
 from mmgate.transport.shm import sweep_dead_segments
 
@@ -52,14 +54,27 @@ log = logging.getLogger("mmgate.api")
 BundleSource = Callable[[Worker], Awaitable[Path]]
 
 
-async def no_worker_bundles(worker: Worker) -> Path:
-    """The bundle source of a gateway that cannot fetch bundles from its workers: always refuses.
+def worker_bundles(settings: Settings) -> BundleSource:
+    """The default bundle source: the worker's own bundle, fetched with ``GetTokenizer``, checked and kept in
+    ``--worker-bundle-cache-dir`` under its SHA-256 within the ``--worker-bundle-*`` bounds
+    (:func:`mmgate.routing.bundles.fetch_worker_bundle`; the Rust gateway takes the processor configuration
+    from the tokenizer bundle its gRPC worker serves, smg 1.13).
 
-    Raises:
-        GatewayError(MODEL_NOT_FOUND): always.
+    The source raises GatewayError(MODEL_NOT_FOUND) with the :class:`~mmgate.routing.bundles.BundleError`'s
+    short reason when the bundle cannot be had (the RPC failed, or the archive broke a rule).
     """
-    raise GatewayError(ErrorCode.MODEL_NOT_FOUND, "the model's bundle is not on the model search path and "
-                       "this gateway cannot fetch it from the worker")
+    cache_dir = settings.bundle_cache_dir or default_bundle_cache_dir(os.environ)
+
+    async def fetch(worker: Worker) -> Path:
+        if worker.client is None:  # admitted only after a probe, which creates the client
+            raise GatewayError(ErrorCode.MODEL_NOT_FOUND, "the worker has not been reached yet")
+        try:
+            return await fetch_worker_bundle(worker.client, cache_dir, settings.bundle_limits)
+        except BundleError as exc:
+            raise GatewayError(ErrorCode.MODEL_NOT_FOUND,
+                               f"the worker's bundle (GetTokenizer) cannot be had: {exc.reason}") from None
+
+    return fetch
 
 
 @dataclass(slots=True)
@@ -109,9 +124,9 @@ class GatewayState:
     budget: InflightBudget
     cache: PixelCache | None
     started: float
+    bundles: BundleSource
     models: dict[str, ServedModel] = field(default_factory=dict)
     default: ServedModel | None = None
-    bundles: BundleSource = no_worker_bundles
     parallelism: int = 1
     _loading: dict[str, asyncio.Task[ServedModel]] = field(default_factory=dict)
 
@@ -217,10 +232,11 @@ def _on_search_path(name: str, settings: Settings) -> Path | None:
         return None
 
 
-def build_state(settings: Settings, bundles: BundleSource = no_worker_bundles) -> GatewayState:
+def build_state(settings: Settings, bundles: BundleSource | None = None) -> GatewayState:
     """Build the shared parts; with ``--model``, load its bundle, tokenizer and family now.
 
-    ``bundles``: where workers' bundles come from without ``--model`` (:data:`BundleSource`).
+    ``bundles``: where workers' bundles come from without ``--model`` when ``--model-path`` does not hold
+    them (:data:`BundleSource`); None: from the workers themselves (:func:`worker_bundles`).
 
     Raises:
         GatewayError(MODEL_NOT_FOUND): ``--model`` cannot be found or has no usable tokenizer.
@@ -236,8 +252,8 @@ def build_state(settings: Settings, bundles: BundleSource = no_worker_bundles) -
         bundle = resolve_bundle(settings.model, settings.model_search_path)
         runtime = load_runtime(bundle, settings, settings.served_model_name or bundle.name)
     state = GatewayState(settings=settings, workers=WorkerRegistry.from_settings(settings),
-                         fetcher=MediaFetcher(settings.fetch), executor=executor, budget=budget, cache=cache, started=time.time(), bundles=bundles,
-                         parallelism=threads)
+                         fetcher=MediaFetcher(settings.fetch), executor=executor, budget=budget, cache=cache,
+                         started=time.time(), bundles=bundles or worker_bundles(settings), parallelism=threads)
     if runtime is not None:
         state.default = state.serve(runtime, None)
         log.info("serving %s (model_type %s, image backend %s)", runtime.served_name, runtime.bundle.model_type,
