@@ -33,6 +33,8 @@ class ErrorCode(StrEnum):
     INVALID_API_KEY = "invalid_api_key"  # a guarded path (docs/security.md) without the right key: missing or wrong
     ADMIN_API_DISABLED = "admin_api_disabled"  # the admin API while no --admin-api-key is set
     MODEL_NOT_FOUND = "model_not_found"
+    WORKER_NOT_FOUND = "worker_not_found"  # admin API: no registered worker has this id
+    WORKER_EXISTS = "worker_exists"  # admin API: a worker with this URL is registered already
     MULTIMODAL_NOT_SUPPORTED = "multimodal_not_supported"
     MEDIA_COUNT_MISMATCH = "media_count_mismatch"
     MM_ITEM_LIMIT_EXCEEDED = "mm_item_limit_exceeded"
@@ -87,6 +89,8 @@ ERROR_TABLE: dict[ErrorCode, ErrorSpec] = {
     ErrorCode.INVALID_API_KEY: ErrorSpec(401, False, _INVALID),  # OpenAI's code and type for a bad key
     ErrorCode.ADMIN_API_DISABLED: ErrorSpec(403, False, _INVALID),
     ErrorCode.MODEL_NOT_FOUND: ErrorSpec(404, False, _INVALID),
+    ErrorCode.WORKER_NOT_FOUND: ErrorSpec(404, False, _INVALID),
+    ErrorCode.WORKER_EXISTS: ErrorSpec(409, False, _INVALID),
     ErrorCode.MULTIMODAL_NOT_SUPPORTED: ErrorSpec(400, False, _INVALID),
     ErrorCode.PD_DECODE_LANGUAGE_MODEL_ONLY_MROPE: ErrorSpec(400, False, _INVALID),
     ErrorCode.PD_DECODE_LANGUAGE_MODEL_ONLY_MEDIA_REFS: ErrorSpec(400, False, _INVALID),

@@ -334,12 +334,12 @@ def test_budget_refusals_count_under_smg_admission_reasons() -> None:
     from mmgate.pipeline.budget import InflightBudget
     from mmgate.errors import ErrorCode, GatewayError
 
-    def value() -> float:
+    def value(model: str) -> float:
         return metrics.REGISTRY.get_sample_value("smg_admission_queue_rejected_total",
-                                                 {"reason": "multimodal_too_large"}) or 0.0
+                                                 {"model": model, "reason": "multimodal_too_large"}) or 0.0
 
-    before = value()
+    before = value("refused-model"), value("other-model")
     with pytest.raises(GatewayError) as refused:
-        asyncio.run(InflightBudget(1000).acquire(1001))
+        asyncio.run(InflightBudget(1000).acquire(1001, "refused-model"))
     assert refused.value.code is ErrorCode.MULTIMODAL_PAYLOAD_TOO_LARGE
-    assert value() - before == 1
+    assert (value("refused-model") - before[0], value("other-model") - before[1]) == (1, 0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import os
 import threading
 from collections.abc import Iterator
@@ -168,9 +169,12 @@ def test_cache_hit_equals_miss_bit_for_bit_and_is_counted(worker: FakeWorker) ->
     for name in miss.tensors:
         assert np.array_equal(miss.tensors[name], hit.tensors[name]), name
 
-    def count(text: str, name: str) -> float:
-        line = next((ln for ln in text.splitlines() if ln.startswith(name + '{modality="image"}')), None)
-        return float(line.split()[-1]) if line else 0.0
+    def count(text: str, name: str) -> float:  # the series of this model's images (the served name: --model's)
+        from prometheus_client.parser import text_string_to_metric_families
+
+        labels = {"model": "Qwen/Qwen2-VL-2B-Instruct", "modality": "image"}
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == name and s.labels == labels)
 
     assert count(after, "mmgate_mm_pixel_cache_hits_total") - count(before, "mmgate_mm_pixel_cache_hits_total") == 2
     assert count(after, "mmgate_mm_pixel_cache_misses_total") - count(before, "mmgate_mm_pixel_cache_misses_total") == 2
@@ -223,15 +227,24 @@ def test_budget_waits_then_429_with_retry_after_and_caps_the_queue() -> None:
 
 
 def test_budget_grants_in_order_as_bytes_are_released() -> None:
+    from mmgate.observe import metrics
+
+    def gauge(model: str) -> float | None:
+        return metrics.REGISTRY.get_sample_value("mmgate_mm_inflight_bytes", {"model": model})
+
     async def scenario() -> list[str]:
-        budget = InflightBudget(100, wait_s=2.0)
+        budget = InflightBudget(100, wait_s=2.0)  # one budget shared by two models
         order: list[str] = []
-        a = await budget.acquire(60)
+        a = await budget.acquire(60, "budget-model-a")
         order.append("a")
+        assert (gauge("budget-model-a"), gauge("budget-model-b")) == (60, None)
 
         async def later(name: str, n: int) -> None:
-            grant = await budget.acquire(n)
+            grant = await budget.acquire(n, "budget-model-b")
             order.append(name)
+            if name == "c":
+                assert (gauge("budget-model-a"), gauge("budget-model-b")) == (0, 90)  # b's 60 + c's 30
+            await asyncio.sleep(0)  # c is granted while b still holds its bytes
             grant.release()
 
         waiting = asyncio.gather(later("b", 60), later("c", 30))
@@ -241,8 +254,9 @@ def test_budget_grants_in_order_as_bytes_are_released() -> None:
         a.release()  # idempotent
         await waiting
         assert budget.in_use == 0
+        assert (gauge("budget-model-a"), gauge("budget-model-b")) == (0, 0)
         with pytest.raises(GatewayError) as err:
-            await budget.acquire(101)
+            await budget.acquire(101, "budget-model-a")
         assert err.value.code is ErrorCode.MULTIMODAL_PAYLOAD_TOO_LARGE and err.value.status == 413
         return order
 
@@ -439,3 +453,51 @@ def test_segment_write_failure_during_the_fill_falls_back_to_inline(worker: Fake
     for name, array in inline.tensors.items():
         assert np.array_equal(array, fallback.tensors[name]), name
     assert mmgate_segments() == before
+
+
+def test_one_pixel_cache_shared_by_two_models_keeps_their_rows_apart_and_counts_each() -> None:
+    """Qwen2.5-VL and Gemma 3 (different preprocessing) share one pixel cache, as two served models of one
+    gateway do: the same image sent to each is a miss for each (no entry of one is served to the other),
+    the cache then holds two entries, and a repeat is a hit counted under its own model, equal bit for bit
+    to that model's own miss."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mmgate.gateway.state import load_runtime
+    from mmgate.media.fetch import MediaFetcher
+    from mmgate.models.bundle import resolve_bundle
+    from mmgate.observe import metrics
+    from mmgate.pipeline.cache import PixelCache
+    from mmgate.pipeline.prepare import Pipeline
+    from mmgate.request.parse import parse_chat_request
+    from mmgate.types import Modality
+
+    models = ("Qwen/Qwen2.5-VL-7B-Instruct", "google/gemma-3-4b-it")
+    cache = PixelCache(256 * 1024 * 1024)
+    image = data_url(png(120, 160, 11))
+
+    def count(kind: str, model: str) -> float:
+        return metrics.REGISTRY.get_sample_value(f"mmgate_mm_pixel_cache_{kind}_total",
+                                                 {"model": model, "modality": "image"}) or 0.0
+
+    def pixels(pipe: Pipeline, model: str) -> np.ndarray:
+        body = {"model": model, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "hi"}]}]}
+        prepared = asyncio.run(pipe.prepare(parse_chat_request(json.dumps(body).encode())))
+        batch = next(b for b in prepared.batches if b.modality is Modality.IMAGE)
+        return np.array(batch.tensors[batch.primary_key])
+
+    before = {(kind, m): count(kind, m) for kind in ("hits", "misses") for m in models}
+    with ThreadPoolExecutor(2) as pool:
+        pipes = {}
+        for model in models:
+            settings = Settings(model=str(bundle_dir(model)))
+            runtime = load_runtime(resolve_bundle(settings.model, ()), settings, model)
+            pipes[model] = Pipeline(runtime, settings, MediaFetcher(settings.fetch), pool, cache)
+        misses = {m: pixels(pipes[m], m) for m in models}
+        assert len(cache) == 2
+        hits = {m: pixels(pipes[m], m) for m in models}
+    for model in models:
+        assert (count("misses", model) - before[("misses", model)], count("hits", model) - before[("hits", model)]
+                ) == (1, 1), model
+        assert misses[model].dtype == hits[model].dtype and np.array_equal(misses[model], hits[model]), model
+    assert misses[models[0]].shape != misses[models[1]].shape  # the two models' rows differ

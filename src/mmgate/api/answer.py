@@ -19,13 +19,14 @@ from mmgate.observe import metrics, timing_log
 from mmgate.routing.dispatchers import dispatcher_for
 
 if TYPE_CHECKING:
-    from mmgate.gateway.state import GatewayState
+    from mmgate.gateway.state import ServedModel
     from mmgate.request.protocol import ChatCompletionRequest
     from mmgate.routing.dispatch import EngineAnswer
 
 
-async def start_chat(state: GatewayState, req: ChatCompletionRequest) -> EngineAnswer:
-    """Run ``req`` up to the engine's first response (router or worker mode, as decided for it).
+async def start_chat(state: ServedModel, req: ChatCompletionRequest) -> EngineAnswer:
+    """Run ``req`` up to the engine's first response (router or worker mode, as decided for it) on the served
+    model ``state`` its ``model`` names (:meth:`mmgate.gateway.state.GatewayState.model_for`).
 
     Observes ``mmgate_time_to_first_token_seconds`` (streamed requests) and the ``engine_first_response``
     stage; with ``--log-mm-timing`` a media request's events and its ``smg_mm_timing`` line are written
@@ -39,7 +40,7 @@ async def start_chat(state: GatewayState, req: ChatCompletionRequest) -> EngineA
     with timing_log.request_scope(state.settings.log_mm_timing, request_id, state.runtime.served_name) as record:
         answer = await dispatcher_for(state, req).start(state, req, request_id, record)
     first_s = answer.prepared.timings_ms.get("engine_first_response", 0.0) / 1000.0
-    metrics.STAGE_SECONDS.labels("engine_first_response").observe(first_s)
+    metrics.STAGE_SECONDS.labels(state.runtime.served_name, "engine_first_response").observe(first_s)
     if req.stream:
         metrics.TTFT_SECONDS.labels(state.runtime.served_name).observe(time.perf_counter() - started)
     return answer

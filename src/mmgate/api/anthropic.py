@@ -61,7 +61,7 @@ from mmgate.routing.dispatch import EngineAnswer
 if TYPE_CHECKING:
     from mmgate.chat.tokenizer import BundleTokenizer
     from mmgate.engines.base import EngineEvent
-    from mmgate.gateway.state import GatewayState
+    from mmgate.gateway.state import GatewayState, ServedModel
 
 log = logging.getLogger("mmgate.api")
 
@@ -331,7 +331,7 @@ async def message_body(answer: EngineAnswer, tokenizer: BundleTokenizer, stops: 
     output = output or list(complete.token_ids)
     text = tokenizer.decode(output)
     reason, stop_sequence, keep = _stop_reason(complete, text, stops)
-    metrics.COMPLETION_TOKENS.inc(len(output))
+    metrics.COMPLETION_TOKENS.labels(answer.prepared.model).inc(len(output))
     return {"id": _message_id(answer), "type": "message", "role": "assistant", "model": answer.prepared.model,
             "content": [{"type": "text", "text": text[:keep]}], "stop_reason": reason, "stop_sequence": stop_sequence,
             "usage": {"input_tokens": _prompt_tokens(answer, complete), "output_tokens": len(output)}}
@@ -400,7 +400,7 @@ async def message_events(answer: EngineAnswer, tokenizer: BundleTokenizer, stops
             event = await anext(answer.rest, None)
         else:
             raise GatewayError(ErrorCode.ENGINE_ERROR, "engine stream ended without a completion")
-        metrics.COMPLETION_TOKENS.inc(count)
+        metrics.COMPLETION_TOKENS.labels(answer.prepared.model).inc(count)
     except GatewayError as exc:
         metrics.ERRORS.labels(exc.code.value).inc()
         yield _event("error", anthropic_error_body(exc))
@@ -409,7 +409,7 @@ async def message_events(answer: EngineAnswer, tokenizer: BundleTokenizer, stops
         await answer.rest.aclose()
 
 
-async def answer_messages(state: GatewayState, req: MessagesRequest) -> Response:
+async def answer_messages(state: ServedModel, req: MessagesRequest) -> Response:
     """Run ``req`` through :func:`start_chat` and render the answer (SSE or one ``message``)."""
     answer = await start_chat(state, to_chat_request(req))
     stops = list(req.stop_sequences or ())
@@ -439,8 +439,9 @@ def register_anthropic(app: FastAPI, state: GatewayState, body_limit: int) -> No
             async with request_body(state, request, body_limit) as body:
                 req = await parse_off_loop(state, parse_messages_request, body.data)
                 has_system = bool(req.system)
-                metrics.REQUESTS.labels(state.runtime.served_name, str(req.stream).lower()).inc()
-                return body.answer(await until_disconnect(request, answer_messages(state, req)))
+                served = state.model_for(req.model)
+                metrics.REQUESTS.labels(served.name, str(req.stream).lower()).inc()
+                return body.answer(await until_disconnect(request, answer_messages(served, req)))
         except GatewayError as exc:
             return anthropic_error_response(_anthropic_param(exc, has_system), error_response)
         except Exception:

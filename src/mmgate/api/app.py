@@ -2,8 +2,9 @@
 
 Routes: ``POST /v1/chat/completions`` (:mod:`mmgate.api.chat_completions`), ``POST /v1/responses``
 (:mod:`mmgate.api.openai_responses`), ``POST /v1/messages`` (Anthropic shapes, errors included;
-:mod:`mmgate.api.anthropic`), each registered on the app by its module; ``GET /v1/models``,
-``GET /health``, ``GET /workers``, ``GET /metrics`` here.  The state they share is
+:mod:`mmgate.api.anthropic`), the worker routes ``/workers`` and ``/workers/{id}`` (:mod:`mmgate.api.admin`),
+each registered on the app by its module; ``GET /v1/models`` (every served model, with its modalities),
+``GET /health``, ``GET /metrics`` here.  The state they share is
 :class:`mmgate.gateway.state.GatewayState`; bodies and the rendering of errors are :mod:`mmgate.api.http`'s.
 All failures go through one handler that renders the error table (:mod:`mmgate.errors`): body
 ``{"error": {...}}`` plus ``X-SMG-Error-Code``; unexpected exceptions become 500 ``internal_error``
@@ -27,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mmgate.observe import metrics
+from mmgate.api.admin import register_admin
 from mmgate.api.anthropic import anthropic_error_response, is_anthropic_path, register_anthropic
 from mmgate.api.chat_completions import register_chat_completions
 from mmgate.api.http import body_limit_for, error_response, framework_error
@@ -34,6 +36,8 @@ from mmgate.api.keys import KeyGuard
 from mmgate.api.openai_responses import register_responses
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.gateway.state import GatewayState
+from mmgate.pipeline.runtime import ModelRuntime
+from mmgate.types import Modality
 
 log = logging.getLogger("mmgate.api")
 
@@ -45,6 +49,16 @@ def render_error(request: Request, exc: GatewayError, headers: dict[str, str] | 
     response = anthropic_error_response(exc, error_response) if is_anthropic_path(path) else error_response(exc)
     response.headers.update(headers or {})
     return response
+
+
+def model_card(runtime: ModelRuntime, created: float) -> dict[str, object]:
+    """One ``/v1/models`` entry (OpenAI's model object, plus vLLM's ``root`` and the ``modalities`` the model
+    takes: ``text`` and those its family processes)."""
+    family = runtime.family
+    media = [] if family is None else [m.value for m, proc in ((Modality.IMAGE, family.image),
+                                                               (Modality.VIDEO, family.video)) if proc is not None]
+    return {"id": runtime.served_name, "object": "model", "created": int(created), "owned_by": "mmgate",
+            "root": runtime.bundle.name, "modalities": ["text", *media]}
 
 
 def create_app(state: GatewayState) -> FastAPI:
@@ -67,6 +81,7 @@ def create_app(state: GatewayState) -> FastAPI:
     register_chat_completions(app, state, body_limit)
     register_responses(app, state, body_limit)
     register_anthropic(app, state, body_limit)
+    register_admin(app, state)
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
@@ -88,29 +103,25 @@ def create_app(state: GatewayState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [
-            {"id": state.runtime.served_name, "object": "model", "created": int(state.started), "owned_by": "mmgate",
-             "root": state.runtime.bundle.name}]})
+        return JSONResponse({"object": "list", "data": [model_card(m.runtime, state.started)
+                                                        for m in list(state.models.values())]})
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """200 while some worker is healthy; else 503 with the error body of ``no_healthy_worker`` too
-        (not counted in the error metrics: a health poll is not a failed request)."""
-        healthy = sum(1 for w in state.workers.workers if w.healthy)
+        """200 while some worker can take traffic (ready: its model loaded, not draining; and healthy); else
+        503 with the error body of ``no_healthy_worker`` too (not counted in the error metrics: a health poll
+        is not a failed request).  ``healthy_workers`` counts those workers; a worker that answers its probes
+        but whose model could not be loaded (``failed``, see ``GET /workers``) or is still loading is not
+        counted."""
+        workers = state.workers.workers
+        healthy = sum(1 for w in workers if w.takes_traffic)
         body: dict[str, object] = {"status": "ok" if healthy else "unavailable", "healthy_workers": healthy,
-                                   "workers": len(state.workers.workers)}
+                                   "workers": len(workers)}
         if healthy:
             return JSONResponse(body)
-        exc = GatewayError(ErrorCode.NO_HEALTHY_WORKER, "no healthy worker")
+        exc = GatewayError(ErrorCode.NO_HEALTHY_WORKER, "no worker can take traffic (see GET /workers)")
         return JSONResponse({**body, **exc.body()}, status_code=exc.status,
                             headers={"X-SMG-Error-Code": exc.code.value, "Retry-After": "1"})
-
-    @app.get("/workers")
-    async def workers() -> JSONResponse:
-        return JSONResponse({"workers": [
-            {"url": w.url, "healthy": w.healthy, "in_flight": w.in_flight, "labels": w.labels,
-             "consecutive_failures": w.failures, "busy_probes": w.busy_probes, "last_probe": w.last_probe}
-            for w in state.workers.workers]})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -25,11 +25,12 @@ from mmgate.request.parse import parse_chat_request
 from mmgate.request.protocol import ChatCompletionRequest
 
 if TYPE_CHECKING:
-    from mmgate.gateway.state import GatewayState
+    from mmgate.gateway.state import GatewayState, ServedModel
 
 
-async def answer_chat(state: GatewayState, req: ChatCompletionRequest) -> Response:
-    """Run ``req`` through :func:`start_chat` and render the answer in the chat-completion shape."""
+async def answer_chat(state: ServedModel, req: ChatCompletionRequest) -> Response:
+    """Run ``req`` through :func:`start_chat` on the served model ``state`` and render the answer in the
+    chat-completion shape."""
     answer = await start_chat(state, req)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await respond(answer.prepared, req.stream, include_usage, answer.first, answer.rest,
@@ -38,12 +39,13 @@ async def answer_chat(state: GatewayState, req: ChatCompletionRequest) -> Respon
 
 
 def register_chat_completions(app: FastAPI, state: GatewayState, body_limit: int) -> None:
-    """Add ``POST /v1/chat/completions`` to ``app``."""
+    """Add ``POST /v1/chat/completions`` to ``app`` (an unknown ``model``: 404 ``model_not_found``)."""
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         async with request_body(state, request, body_limit) as body:
             req = await parse_off_loop(state, partial(parse_chat_request, limits=state.settings.constraints),
                                        body.data)
-            metrics.REQUESTS.labels(state.runtime.served_name, str(req.stream).lower()).inc()
-            return body.answer(await until_disconnect(request, answer_chat(state, req)))
+            served = state.model_for(req.model)
+            metrics.REQUESTS.labels(served.name, str(req.stream).lower()).inc()
+            return body.answer(await until_disconnect(request, answer_chat(served, req)))

@@ -65,7 +65,7 @@ from mmgate.routing.dispatch import EngineAnswer
 if TYPE_CHECKING:
     from mmgate.chat.tokenizer import BundleTokenizer
     from mmgate.engines.base import EngineEvent
-    from mmgate.gateway.state import GatewayState
+    from mmgate.gateway.state import GatewayState, ServedModel
 
 
 # ---- request shapes --------------------------------------------------------------------------
@@ -417,7 +417,7 @@ async def response_body(req: ResponsesRequest, answer: EngineAnswer, tokenizer: 
     async for _, complete in _text_steps(answer, text):
         if complete is not None:
             status = _status(complete)
-            metrics.COMPLETION_TOKENS.inc(text.tokens)
+            metrics.COMPLETION_TOKENS.labels(answer.prepared.model).inc(text.tokens)
             message = render.message(text.text, status)
             return render.response(status, [message], _usage(answer, complete, text.tokens))
     raise GatewayError(ErrorCode.ENGINE_ERROR, "engine stream ended without a completion")
@@ -463,7 +463,7 @@ async def response_events(req: ResponsesRequest, answer: EngineAnswer, tokenizer
             yield event("response.content_part.done", **where, part=render.part(text.text))
             message = render.message(text.text, status)
             yield event("response.output_item.done", output_index=0, item=message)
-            metrics.COMPLETION_TOKENS.inc(text.tokens)
+            metrics.COMPLETION_TOKENS.labels(answer.prepared.model).inc(text.tokens)
             final = render.response(status, [message], _usage(answer, complete, text.tokens))
             yield event("response.completed" if status == "completed" else "response.incomplete", response=final)
     except GatewayError as exc:
@@ -480,7 +480,7 @@ async def response_events(req: ResponsesRequest, answer: EngineAnswer, tokenizer
 # ---- the route -------------------------------------------------------------------------------
 
 
-async def answer_responses(state: GatewayState, req: ResponsesRequest) -> Response:
+async def answer_responses(state: ServedModel, req: ResponsesRequest) -> Response:
     """Translate, run and render one Responses request (pipeline errors renamed to Responses fields).
 
     Raises:
@@ -514,6 +514,7 @@ def register_responses(app: FastAPI, state: GatewayState, body_limit: int) -> No
     async def responses(request: Request) -> Response:
         async with request_body(state, request, body_limit) as body:
             req = await parse_off_loop(state, parse_responses_request, body.data)
-            metrics.REQUESTS.labels(state.runtime.served_name, str(req.stream).lower()).inc()
-            return body.answer(await until_disconnect(request, answer_responses(state, req)))
+            served = state.model_for(req.model)
+            metrics.REQUESTS.labels(served.name, str(req.stream).lower()).inc()
+            return body.answer(await until_disconnect(request, answer_responses(served, req)))
 

@@ -95,7 +95,7 @@ async def completion_body(prepared: PreparedRequest, first: EngineEvent, rest: A
         choice.finish(event)
         completes[event.index] = event
     completion_tokens = sum(t.tokens for t in texts)
-    metrics.COMPLETION_TOKENS.inc(completion_tokens)
+    metrics.COMPLETION_TOKENS.labels(prepared.model).inc(completion_tokens)
     choices = []
     for i in range(n):
         message, called = parsing.message(texts[i].text, prepared.prompt_text)  # H-C2: reasoning, tool calls
@@ -172,7 +172,7 @@ async def sse_stream(prepared: PreparedRequest, first: EngineEvent,
         count = sum(t.tokens for t in texts)
         if include_usage:
             yield _event({**base, "choices": [], "usage": _usage(prompt_tokens, count)})
-        metrics.COMPLETION_TOKENS.inc(count)
+        metrics.COMPLETION_TOKENS.labels(prepared.model).inc(count)
     except GatewayError as exc:
         metrics.ERRORS.labels(exc.code.value).inc()
         yield _event(exc.body())

@@ -418,7 +418,9 @@ ENV_LOG_MM_TIMING = "SMG_LOG_MM_TIMING"  # deprecated spelling of --log-mm-timin
 class Settings:
     """Gateway settings (``mmgate serve``)."""
 
-    model: str  # bundle folder, ``org/name`` on the search path or hub
+    #: bundle folder, ``org/name`` on the search path or hub; None: each worker's model (GetModelInfo), its bundle
+    #: from the search path or the worker (mmgate.gateway.state)
+    model: str | None
     model_search_path: tuple[Path, ...] = ()
     served_model_name: str | None = None
     worker_urls: tuple[str, ...] = ()
@@ -534,17 +536,20 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def add_model_options(container: argparse._ActionsContainer, *, search_path: bool = True,
-                      log_level: bool = True) -> None:
+                      log_level: bool = True, model_required: bool = True) -> None:
     """``--model``, ``--model-path`` and ``--log-level``: the one definition ``mmgate serve``,
     ``mmgate engine`` and ``mmgate sidecar`` share.
 
     ``search_path``: ``--model`` may name ``org/name`` found on ``--model-path`` (serve, sidecar);
     False: ``--model`` is a bundle folder and there is no ``--model-path`` (engine).  ``log_level``
     False: the caller lists ``--log-level`` in another group (:func:`add_log_level_option`).
+    ``model_required`` False (serve): without ``--model`` each worker's model is the one it reports.
     """
     if search_path:
-        add_option(container, "--model", required=True,
-                   help="model bundle: a folder, or org/name found on the model search path")
+        add_option(container, "--model", required=model_required, default=None,
+                   help="model bundle: a folder, or org/name found on the model search path"
+                   + ("" if model_required else "; unset: each worker's model as its GetModelInfo reports it, its "
+                      "bundle from the model search path, else from the worker (GetTokenizer)"))
         add_option(container, "--model-path", env=(ENV_MODEL_PATH,), metavar="DIRS",
                    help="search path of bundle folders, os.pathsep-separated")
     else:
@@ -565,7 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mmgate serve", description="Run the mmgate OpenAI-compatible gateway "
                                 "(every option with its default and environment variable: docs/configuration.md).")
     g = p.add_argument_group("model and server")
-    add_model_options(g, log_level=False)
+    add_model_options(g, log_level=False, model_required=False)
     add_option(g, "--served-model-name", help="model name clients send and /v1/models lists (default: --model)")
     add_option(g, "--host", default="127.0.0.1", help="address the HTTP server listens on")
     add_option(g, "--port", type=int, default=30000, minimum=0, help="port the HTTP server listens on")

@@ -11,7 +11,9 @@ exports keeps SMG's name, labels and meaning (``smg_mm_tensors_total{runtime,pat
 ``smg_mm_processing_total{model,mode,reason}``, ``smg_admission_queue_rejected_total{reason}``;
 SMG ``model_gateway/src/observability/metrics.rs`` ``init_metrics``/``record_mm_tensor``), so
 dashboards built for SMG work unchanged; every other metric is ``mmgate_*``.  Durations are
-seconds, sizes bytes; counters end in ``_total``.
+seconds, sizes bytes; counters end in ``_total``.  Every metric about one model's requests (requests,
+tokens, stages, media items, pixel cache, in-flight budget; issue 25) carries ``model``, the served name;
+on the admission counter it is added to SMG's ``reason``.
 """
 
 from __future__ import annotations
@@ -25,19 +27,22 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
+#: the label ``model`` of every metric about one model's requests: the served name (``/v1/models``' id), never
+#: what the client sent, so a client cannot create series
 REQUESTS = Counter("mmgate_requests_total", "Chat requests received", ["model", "stream"], registry=REGISTRY)
 ERRORS = Counter("mmgate_errors_total", "Requests failed, by stable error code", ["code"], registry=REGISTRY)
 STAGE_SECONDS = Histogram(
-    "mmgate_stage_seconds", "Latency of each pipeline stage", ["stage"], registry=REGISTRY,
+    "mmgate_stage_seconds", "Latency of each pipeline stage, by model", ["model", "stage"], registry=REGISTRY,
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
 )
-MM_ITEMS = Counter("mmgate_mm_items_total", "Media items preprocessed", ["modality"], registry=REGISTRY)
+MM_ITEMS = Counter("mmgate_mm_items_total", "Media items preprocessed", ["model", "modality"], registry=REGISTRY)
 MM_TENSOR_BYTES = Counter("smg_mm_tensor_bytes_total", "Encoder tensor bytes sent to engines, by runtime and path",
                           ["runtime", "path"], registry=REGISTRY)
 MM_TENSORS = Counter("smg_mm_tensors_total", "Encoder tensors sent to engines, by runtime (wire) and path (inline|shm)",
                      ["runtime", "path"], registry=REGISTRY)
-PROMPT_TOKENS = Counter("mmgate_prompt_tokens_total", "Expanded prompt tokens sent", registry=REGISTRY)
-COMPLETION_TOKENS = Counter("mmgate_completion_tokens_total", "Completion tokens received", registry=REGISTRY)
+PROMPT_TOKENS = Counter("mmgate_prompt_tokens_total", "Expanded prompt tokens sent", ["model"], registry=REGISTRY)
+COMPLETION_TOKENS = Counter("mmgate_completion_tokens_total", "Completion tokens received", ["model"],
+                            registry=REGISTRY)
 CLIENT_DISCONNECTS = Counter("mmgate_client_disconnects_total",
                              "Requests cancelled because their client disconnected before the answer", registry=REGISTRY)
 ACTIVE_REQUESTS = Gauge("mmgate_active_requests", "Requests in flight", registry=REGISTRY)
@@ -63,15 +68,16 @@ SERVE_CHILDREN_QUARANTINED = Gauge(SERVE_CHILDREN_QUARANTINED_NAME, SERVE_CHILDR
 
 
 @contextmanager
-def stage(name: str, timings: MutableMapping[str, float]) -> Iterator[None]:
-    """Time the enclosed block as stage ``name``; adds milliseconds to ``timings[name]``."""
+def stage(name: str, timings: MutableMapping[str, float], model: str) -> Iterator[None]:
+    """Time the enclosed block as stage ``name`` of a request to ``model`` (the served name); adds milliseconds
+    to ``timings[name]`` and observes ``mmgate_stage_seconds{model,stage}``."""
     start = time.perf_counter()
     try:
         yield
     finally:
         elapsed = time.perf_counter() - start
         timings[name] = timings.get(name, 0.0) + elapsed * 1000.0
-        STAGE_SECONDS.labels(name).observe(elapsed)
+        STAGE_SECONDS.labels(model, name).observe(elapsed)
 
 
 def tensor_sent(runtime: str, path: str, nbytes: int) -> None:
@@ -83,13 +89,17 @@ def tensor_sent(runtime: str, path: str, nbytes: int) -> None:
 SHM_WRITE_FAILURES = Counter("smg_mm_shm_write_failures_total",
                              "Tensors that fell back to inline because the shared-memory write failed",
                              ["runtime"], registry=REGISTRY)
-#: SMG's admission refusals; mmgate records the two multimodal reasons of its in-flight budget
+#: SMG's admission refusals; mmgate records the two multimodal reasons of its in-flight budget, per model (a
+#: label SMG's counter lacks: SMG's queries, which sum over labels, work unchanged)
 BUDGET_REJECTIONS = Counter("smg_admission_queue_rejected_total",
                             "Requests refused at admission (multimodal_inflight: 429, multimodal_too_large: 413)",
-                            ["reason"], registry=REGISTRY)
-BUDGET_IN_USE = Gauge("mmgate_mm_inflight_bytes", "Preprocessed bytes held for engines", registry=REGISTRY)
-CACHE_HITS = Counter("mmgate_mm_pixel_cache_hits_total", "Pixel-cache hits", ["modality"], registry=REGISTRY)
-CACHE_MISSES = Counter("mmgate_mm_pixel_cache_misses_total", "Pixel-cache misses", ["modality"], registry=REGISTRY)
+                            ["model", "reason"], registry=REGISTRY)
+BUDGET_IN_USE = Gauge("mmgate_mm_inflight_bytes", "Preprocessed bytes held for engines, by the model of the "
+                      "requests holding them (the budget itself is shared)", ["model"], registry=REGISTRY)
+CACHE_HITS = Counter("mmgate_mm_pixel_cache_hits_total", "Pixel-cache hits", ["model", "modality"],
+                     registry=REGISTRY)
+CACHE_MISSES = Counter("mmgate_mm_pixel_cache_misses_total", "Pixel-cache misses", ["model", "modality"],
+                       registry=REGISTRY)
 CACHE_BYTES = Gauge("mmgate_mm_pixel_cache_bytes", "Bytes held by the pixel cache", registry=REGISTRY)
 
 #: ``smg_admission_queue_rejected_total`` reason of each budget refusal code (SMG's values)
@@ -97,9 +107,10 @@ BUDGET_REASONS = {"multimodal_inflight_budget": "multimodal_inflight",
                   "multimodal_payload_too_large": "multimodal_too_large"}
 
 
-def budget_rejected(code: str) -> None:
-    """Count one in-flight budget refusal (``code``: the error code value) under SMG's reason."""
-    BUDGET_REJECTIONS.labels(BUDGET_REASONS.get(code, code)).inc()
+def budget_rejected(code: str, model: str) -> None:
+    """Count one in-flight budget refusal of a request to ``model`` (``code``: the error code value) under
+    SMG's reason."""
+    BUDGET_REJECTIONS.labels(model, BUDGET_REASONS.get(code, code)).inc()
 
 # Issue 5: where media is processed.
 MM_PROCESSING = Counter("smg_mm_processing_total", "Media requests by where their media is processed, and why",

@@ -12,6 +12,10 @@ Semantics (as the issue specifies, and SMG's ``multimodal_max_inflight_bytes``):
 * the waiting queue holds at most one budget's worth of bytes: beyond that a
   request gets 429 at once;
 * ``None`` means unbounded (every acquire succeeds immediately).
+
+One budget is shared by every served model (issue 25); each request names its model (the served name), so
+``mmgate_mm_inflight_bytes{model}`` shows the bytes each model's requests hold and
+``smg_admission_queue_rejected_total{model,reason}`` whose requests were refused.
 """
 
 from __future__ import annotations
@@ -29,21 +33,23 @@ from mmgate.pipeline.memory import IdleTrimmer
 @dataclass
 class _Waiter:
     nbytes: int
+    model: str
     future: asyncio.Future[None]
 
 
 class BudgetGrant:
     """Bytes held by one request; ``release()`` is idempotent."""
 
-    def __init__(self, budget: InflightBudget | None, nbytes: int) -> None:
+    def __init__(self, budget: InflightBudget | None, nbytes: int, model: str = "") -> None:
         self._budget = budget
         self.nbytes = nbytes
+        self.model = model
         self.on_release: Callable[[], None] | None = None  # e.g. the idle trimmer's release
 
     def release(self) -> None:
         if self._budget is not None:
             budget, self._budget = self._budget, None
-            budget._release(self.nbytes)
+            budget._release(self.nbytes, self.model)
         if self.on_release is not None:
             fn, self.on_release = self.on_release, None
             fn()
@@ -59,38 +65,42 @@ class InflightBudget:
         self.trimmer = trimmer  # told of every grant, bounded or not, to trim the heap when idle (mmgate.pipeline.memory)
         self.wait_s = wait_s
         self.in_use = 0
+        self.by_model: dict[str, int] = {}  # served name -> bytes its requests hold (models seen keep a 0)
         self._waiters: deque[_Waiter] = deque()
         self._queued = 0
 
-    def _reject(self, code: ErrorCode, message: str) -> GatewayError:
-        metrics.budget_rejected(code.value)
+    def _reject(self, code: ErrorCode, message: str, model: str) -> GatewayError:
+        metrics.budget_rejected(code.value, model)
         return GatewayError(code, message)
 
-    async def acquire(self, nbytes: int) -> BudgetGrant:
-        """Hold ``nbytes`` (waits for room).
+    async def acquire(self, nbytes: int, model: str) -> BudgetGrant:
+        """Hold ``nbytes`` for a request to ``model`` (its served name; the label of the budget's metrics),
+        waiting for room.
 
         Raises:
             GatewayError(MULTIMODAL_PAYLOAD_TOO_LARGE): larger than the whole budget (413).
             GatewayError(MULTIMODAL_INFLIGHT_BUDGET): no room in time, or the queue is full (429).
         """
-        grant = await self._acquire(nbytes)
+        grant = await self._acquire(nbytes, model)
         if self.trimmer is not None and nbytes > 0:
             grant.on_release = self.trimmer.hold(nbytes)
         return grant
 
-    async def _acquire(self, nbytes: int) -> BudgetGrant:
+    async def _acquire(self, nbytes: int, model: str) -> BudgetGrant:
         if self.total is None or nbytes == 0:
-            return BudgetGrant(None, 0)
+            return BudgetGrant(None, 0, model)
         if nbytes > self.total:
             raise self._reject(ErrorCode.MULTIMODAL_PAYLOAD_TOO_LARGE,
-                               f"request holds {nbytes} preprocessed bytes, more than the in-flight budget of {self.total}")
+                               f"request holds {nbytes} preprocessed bytes, more than the in-flight budget of {self.total}",
+                               model)
         if not self._waiters and self.in_use + nbytes <= self.total:
-            self.in_use += nbytes
+            self._hold(nbytes, model)
             self._publish()
-            return BudgetGrant(self, nbytes)
+            return BudgetGrant(self, nbytes, model)
         if self._queued + nbytes > self.total:
-            raise self._reject(ErrorCode.MULTIMODAL_INFLIGHT_BUDGET, "in-flight media budget is full; retry later")
-        waiter = _Waiter(nbytes, asyncio.get_running_loop().create_future())
+            raise self._reject(ErrorCode.MULTIMODAL_INFLIGHT_BUDGET, "in-flight media budget is full; retry later",
+                               model)
+        waiter = _Waiter(nbytes, model, asyncio.get_running_loop().create_future())
         self._waiters.append(waiter)
         self._queued += nbytes
         try:
@@ -98,15 +108,15 @@ class InflightBudget:
         except (TimeoutError, asyncio.TimeoutError, asyncio.CancelledError) as exc:
             if waiter.future.done() and not waiter.future.cancelled():
                 # Granted just as the wait ended: give the bytes back.
-                self._release(nbytes)
+                self._release(nbytes, model)
             else:
                 waiter.future.cancel()
                 self._remove(waiter)
             if isinstance(exc, asyncio.CancelledError):
                 raise
             raise self._reject(ErrorCode.MULTIMODAL_INFLIGHT_BUDGET,
-                               "in-flight media budget stayed full; retry later") from None
-        return BudgetGrant(self, nbytes)
+                               "in-flight media budget stayed full; retry later", model) from None
+        return BudgetGrant(self, nbytes, model)
 
     def _remove(self, waiter: _Waiter) -> None:
         try:
@@ -116,8 +126,13 @@ class InflightBudget:
             pass
         self._wake()
 
-    def _release(self, nbytes: int) -> None:
+    def _hold(self, nbytes: int, model: str) -> None:
+        self.in_use += nbytes
+        self.by_model[model] = self.by_model.get(model, 0) + nbytes
+
+    def _release(self, nbytes: int, model: str) -> None:
         self.in_use -= nbytes
+        self.by_model[model] -= nbytes
         self._wake()
         self._publish()
 
@@ -128,9 +143,10 @@ class InflightBudget:
             self._queued -= waiter.nbytes
             if waiter.future.done():
                 continue
-            self.in_use += waiter.nbytes
+            self._hold(waiter.nbytes, waiter.model)
             waiter.future.set_result(None)
         self._publish()
 
     def _publish(self) -> None:
-        metrics.BUDGET_IN_USE.set(self.in_use)
+        for model, held in self.by_model.items():
+            metrics.BUDGET_IN_USE.labels(model).set(held)

@@ -261,7 +261,7 @@ class Pipeline:
                 INVALID_REQUEST (the template refused the conversation).
         """
         runtime = self.runtime
-        with metrics.stage("plan", timings):
+        with metrics.stage("plan", timings, self.runtime.served_name):
             plan = plan_request(req, runtime, self.settings)
             limit = self.max_model_len
             if limit:
@@ -271,7 +271,7 @@ class Pipeline:
                                        f"the messages are longer than the model's context of {limit} tokens can hold",
                                        "messages")
             safe = runtime.reserved.sanitize(plan.template_messages, req.chat_template_kwargs, template_tools(req))
-        with metrics.stage("render", timings):
+        with metrics.stage("render", timings, self.runtime.served_name):
             if runtime.bundle.chat_template is None:
                 raise GatewayError(ErrorCode.INVALID_REQUEST, "model has no chat template")
             prompt = render_chat(runtime.bundle.chat_template, safe.messages, runtime.tokenizer.special_tokens,
@@ -327,11 +327,11 @@ class Pipeline:
                 if found != count:
                     raise GatewayError(ErrorCode.MEDIA_COUNT_MISMATCH, f"the prompt has {found} {modality.value} "
                                        f"anchors for {count} {modality.value}s", "messages")
-            with metrics.stage("fetch_decode", timings):
+            with metrics.stage("fetch_decode", timings, self.runtime.served_name):
                 limit = encoder_bytes_limit(self.settings.transport) if choose_worker is not None else None
                 decoded, clips = await _all_or_none(self._fetch_decode(images),
                                                     self._fetch_decode_videos(video_proc, videos, limit))
-            with metrics.stage("preprocess", timings):
+            with metrics.stage("preprocess", timings, self.runtime.served_name):
                 image_plans = tuple(_at(r, image_proc.plan, im.height, im.width, r.hints)
                                     for im, r in zip(decoded, images)) if image_proc is not None else ()
                 video_plans = tuple(_at(r, video_proc.plan, clip, r.hints)
@@ -359,7 +359,7 @@ class Pipeline:
                 image_batch, video_batch = await _all_or_none(
                     self._preprocess_images(image_proc, decoded, images, image_plans, raw, defer),
                     self._preprocess_videos(video_proc, clips, video_plans, raw))
-            with metrics.stage("expand", timings):
+            with metrics.stage("expand", timings, self.runtime.served_name):
                 made: dict[Modality, tuple[EncoderBatch | None, tuple[str, ...]]] = {}
                 if images and image_proc is not None:
                     made[Modality.IMAGE] = (image_batch, image_hashes)
@@ -370,8 +370,8 @@ class Pipeline:
                                 for m in dict.fromkeys(r.modality for r in plan.media) if m in made)
                 item_plans = {Modality.IMAGE: iter(image_plans), Modality.VIDEO: iter(p.item for p in video_plans)}
                 plans = tuple(next(item_plans[r.modality]) for r in plan.media if r.modality in item_plans)
-            metrics.MM_ITEMS.labels(Modality.IMAGE.value).inc(len(images))
-            metrics.MM_ITEMS.labels(Modality.VIDEO.value).inc(len(videos))
+            metrics.MM_ITEMS.labels(self.runtime.served_name, Modality.IMAGE.value).inc(len(images))
+            metrics.MM_ITEMS.labels(self.runtime.served_name, Modality.VIDEO.value).inc(len(videos))
         elif choose_worker is not None:
             choose_worker(modalities, RoutingKey.text(ids))
         return ids, batches, plans
@@ -474,7 +474,7 @@ class Pipeline:
         for key, im, pl in zip(keys, images, plans):
             if key in todo or key in hits:
                 continue
-            hit = self.cache.get(key) if self.cache is not None else None
+            hit = self.cache.get(key, self.runtime.served_name) if self.cache is not None else None
             if hit is not None:
                 hits[key] = hit
             else:
@@ -529,7 +529,7 @@ class Pipeline:
                                  for k in range(parts)))
             return None
 
-        hits = {key: self.cache.get(key) if self.cache is not None else None for key in places}
+        hits = {key: self.cache.get(key, self.runtime.served_name) if self.cache is not None else None for key in places}
         computed = await _all_or_none(*(one(key, at, hits[key]) for key, at in places.items()))
         if self.cache is not None:
             for key, share in zip(places, computed):

@@ -350,7 +350,7 @@ async def _start_sequential(state: DispatchContext, prepared: PreparedRequest, p
     decode_plan = replace(decode_adapter.plan(state.settings.transport, decode.labels), shm=False)
     language_model_only = decode.caps is not None and decode.caps.language_model_only
     relay = adapter.pd_n_samples or prepared.sampling.n <= 1
-    grant = await state.budget.acquire(sum(b.nbytes for b in prepared.batches))
+    grant = await state.budget.acquire(sum(b.nbytes for b in prepared.batches), prepared.model)
     lease = ShmLease()
     release_decode = decode.hold()
 
@@ -361,14 +361,14 @@ async def _start_sequential(state: DispatchContext, prepared: PreparedRequest, p
 
     kv_transfer_params: str | None = None
     try:
-        metrics.PROMPT_TOKENS.inc(len(prepared.input_ids))
+        metrics.PROMPT_TOKENS.labels(prepared.model).inc(len(prepared.input_ids))
         if relay:
             release_prefill = prefill.hold(lease.release)
             try:
-                with metrics.stage("assemble", timings):
+                with metrics.stage("assemble", timings, prepared.model):
                     prefill_leg = adapter.encode(prepared, Role.PREFILL, plan, lease)
                 if prefill_leg.pending:
-                    with metrics.stage("preprocess", timings):
+                    with metrics.stage("preprocess", timings, prepared.model):
                         prefill_leg = await adapter.fill(prefill_leg, prepared, Role.PREFILL, plan, lease)
                 start = time.perf_counter()
                 kv_transfer_params = await _prefill_answer(prefill.client.generate(prefill_leg, Role.PREFILL))
@@ -379,7 +379,7 @@ async def _start_sequential(state: DispatchContext, prepared: PreparedRequest, p
                 raise GatewayError(ErrorCode.ENGINE_ERROR,
                                    f"prefill worker {prefill.url} answered no kv_transfer_params (is it a KV "
                                    "producer?): the decode leg, which carries no pixels, cannot be served")
-        with metrics.stage("assemble", timings):
+        with metrics.stage("assemble", timings, prepared.model):
             decode_leg = decode_adapter.encode(prepared, Role.DECODE, decode_plan, None,
                                                kv_transfer_params=kv_transfer_params,
                                                language_model_only=language_model_only)
@@ -404,7 +404,7 @@ async def _start_together(state: DispatchContext, prepared: PreparedRequest, pre
     decode_plan = replace(decode_adapter.plan(state.settings.transport, decode.labels), shm=False)
     host = prefill.target.rpartition(":")[0]
     boot = Bootstrap(host, bootstrap_port(prefill), mint_room())
-    grant = await state.budget.acquire(sum(b.nbytes for b in prepared.batches))
+    grant = await state.budget.acquire(sum(b.nbytes for b in prepared.batches), prepared.model)
     lease = ShmLease()
     release_prefill = prefill.hold()
     release_decode = decode.hold()
@@ -421,10 +421,10 @@ async def _start_together(state: DispatchContext, prepared: PreparedRequest, pre
     try:
         message = prepared
         if not adapter.places_pending or state.settings.epd_disaggregation:
-            with metrics.stage("preprocess", timings):
+            with metrics.stage("preprocess", timings, prepared.model):
                 message = await adapter.materialize(prepared)
         encodes = _encode_legs(state, adapter, message, lease) if state.settings.epd_disaggregation else []
-        with metrics.stage("assemble", timings):
+        with metrics.stage("assemble", timings, prepared.model):
             epd = adapter.epd() if encodes else None
             if epd is not None:
                 prefill_leg = epd.encode_epd_prefill(message, plan, lease, boot, [b for _, b, _ in encodes])
@@ -433,9 +433,9 @@ async def _start_together(state: DispatchContext, prepared: PreparedRequest, pre
             decode_leg = decode_adapter.encode(message, Role.DECODE, decode_plan, None, bootstrap=boot,
                                                language_model_only=language_model_only)
         if prefill_leg.pending:
-            with metrics.stage("preprocess", timings):
+            with metrics.stage("preprocess", timings, prepared.model):
                 await prefill_leg.fill()
-        metrics.PROMPT_TOKENS.inc(len(prepared.input_ids))
+        metrics.PROMPT_TOKENS.labels(prepared.model).inc(len(prepared.input_ids))
         prefill_stream = prefill.client.generate(prefill_leg, Role.PREFILL)
         drain = asyncio.create_task(_side(prefill_stream, encodes))
 

@@ -124,7 +124,7 @@ async def finish(prepared: PreparedRequest, responses: AsyncGenerator[EngineEven
     expanded = tally.expanded_tokens
     if expanded is None:
         expanded = event.prompt_tokens
-        metrics.PROMPT_TOKENS.inc(expanded)
+        metrics.PROMPT_TOKENS.labels(prepared.model).inc(expanded)
     timing_log.request_done(record, mode=tally.mode.value, counts=tally.counts, timings=timings,
                             original_tokens=tally.original_tokens, expanded_tokens=expanded, handed_over=start)
     return EngineAnswer(prepared, event, responses, release,

@@ -66,7 +66,7 @@ class MediaRefsDispatcher(Dispatcher):
         plan, prompt, ids, _ = await pipeline.render_prompt_async(req, timings)
         sampling = pipeline._sampling(req, len(ids))  # the unexpanded length: a lower bound
         refs = plan.media
-        with metrics.stage("forward_checks", timings):
+        with metrics.stage("forward_checks", timings, state.runtime.served_name):
             check_anchor_counts(ids, refs, state.runtime.family)
             check_ref_sizes(refs, state.settings.fetch)
             key = refs_key(ids, refs, state.runtime.family)
@@ -78,7 +78,7 @@ class MediaRefsDispatcher(Dispatcher):
         if adapter is None:
             raise GatewayError(ErrorCode.NO_HEALTHY_WORKER,
                                "no healthy worker of this model processes media references")
-        with metrics.stage("assemble", timings):
+        with metrics.stage("assemble", timings, state.runtime.served_name):
             encoded = adapter.encode_media_refs(prepared, refs)
         release = worker.hold()
 

@@ -68,16 +68,16 @@ class SingleDispatcher(Dispatcher):
         prepared = await state.pipeline.prepare(req, request_id, choose_worker=choose_worker, defer_pixels=True)
         worker, adapter, wire = chosen[0]
         timings = prepared.timings_ms
-        grant = await state.budget.acquire(sum(b.nbytes for b in prepared.batches))
+        grant = await state.budget.acquire(sum(b.nbytes for b in prepared.batches), prepared.model)
         lease = ShmLease()
         release = worker.hold(lease.release, grant.release)
 
         try:
             message = prepared
             if not adapter.places_pending:  # a wire that slices tensors per item: deferred pixels are computed first
-                with metrics.stage("preprocess", timings):
+                with metrics.stage("preprocess", timings, prepared.model):
                     message = await adapter.materialize(prepared)
-            with metrics.stage("assemble", timings):
+            with metrics.stage("assemble", timings, prepared.model):
                 if _encode_is_heavy(message):
                     encoded = await asyncio.get_running_loop().run_in_executor(  # the context: timing events
                         state.executor, contextvars.copy_context().run, adapter.encode, message, Role.SINGLE, wire,
@@ -86,9 +86,9 @@ class SingleDispatcher(Dispatcher):
                     encoded = adapter.encode(message, Role.SINGLE, wire, lease)
             if encoded.pending:
                 # Deferred pixels: computed now, straight into the segment or the request bytes.
-                with metrics.stage("preprocess", timings):
+                with metrics.stage("preprocess", timings, prepared.model):
                     encoded = await adapter.fill(encoded, message, Role.SINGLE, wire, lease)
-            metrics.PROMPT_TOKENS.inc(len(prepared.input_ids))
+            metrics.PROMPT_TOKENS.labels(prepared.model).inc(len(prepared.input_ids))
             assert worker.client is not None
             responses = worker.client.generate(encoded)
         except BaseException:

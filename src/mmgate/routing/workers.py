@@ -32,6 +32,15 @@ registered worker takes is refused with ``multimodal_not_supported`` (400) befor
 anything is fetched (:meth:`WorkerRegistry.check_kinds`); selection refuses the same
 way when the healthy workers cannot take it.  A worker whose wire has no adapter in
 this gateway is listed and counted, never selected.
+
+Admission (no ``--model``, issue 25): after a worker's first passing probe its model is found and loaded
+(:data:`Admit`); it takes traffic once ``ready``.  A worker ``failed`` there (its bundle or model could
+not be had) stays ``failed`` with its ``reason`` (no traffic) while it is tried again on a later probe
+round that finds it healthy, after a backoff that doubles with each failure in a row: one probe interval,
+then two, four, ... at most :data:`ADMIT_RETRY_MAX_S`; so a worker whose bundle becomes available is
+admitted without a restart.
+Admission runs beside the probe rounds (a slow bundle fetch never delays the other workers' probes);
+the first round at start-up and :meth:`WorkerRegistry.add` wait for it.
 """
 
 from __future__ import annotations
@@ -39,7 +48,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from enum import StrEnum
+from functools import partial
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -90,12 +102,46 @@ class HealthPolicy:
             raise ValueError("health interval and timeout must be positive, unhealthy_after at least 1")
 
 
+class WorkerStatus(StrEnum):
+    """Where a worker stands with its model (``GET /workers``' ``status``).
+
+    ``pending``: no passing probe yet (its model is not known); ``loading``: its model's bundle is being
+    fetched and loaded; ``ready``: it may take traffic (when healthy); ``failed``: its bundle or model could
+    not be had (``reason`` says why; it takes no traffic; tried again after a backoff, staying ``failed``
+    until it is ready); ``draining``: removed, finishing its requests.
+    """
+
+    PENDING = "pending"
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    DRAINING = "draining"
+
+
+#: the longest wait, seconds, before a failed worker's admission is tried again (the backoff's cap)
+ADMIT_RETRY_MAX_S = 60.0
+
+#: ``admit(worker)``: called after a worker's first passing probe (``status`` pending) to find its model, load it
+#: and set ``worker.model`` and ``worker.status`` (ready, or failed with a ``reason``); never raises.
+Admit = Callable[["Worker"], Awaitable[None]]
+
+
 @dataclass(slots=True)
 class Worker:
-    """One engine worker and what is known about it."""
+    """One engine worker and what is known about it.
+
+    ``id``: a stable string naming it in the admin API (``/workers/{id}``), a UUID as the Rust gateway's
+    ``WorkerId`` (smg ``model_gateway/src/worker/service.rs``, ``parse_worker_id``).  ``model``: the model it
+    serves (``--model``'s served name; else the ``served_model_name``, or ``model_path``, its GetModelInfo
+    reports); "" until known.
+    """
 
     url: str
     target: str  # host:port
+    id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    model: str = ""
+    status: WorkerStatus = WorkerStatus.PENDING
+    reason: str = ""  # why the worker is failed (its bundle or model could not be had); "" otherwise
     client: WorkerClient | None = None  # created on the serving event loop (grpc.aio binds to it)
     caps: Capabilities | None = None  # what the last passing probe said; kept through failed probes
     healthy: bool = False
@@ -107,6 +153,11 @@ class Worker:
     wire: str = ""  # the engine protocol detected (label ``wire``); "" until a probe reaches the worker
     assigned_role: Role | None = None  # the role the gateway gave this worker (None: the one it reports)
     bootstrap_port: int | None = None  # ``--prefill URL BOOTSTRAP_PORT``; None: the one the worker reports
+    #: run once when a draining worker's last request is released (set by :meth:`WorkerRegistry.remove`)
+    on_drained: Callable[[], None] | None = None
+    removed: bool = False  # taken out by :meth:`WorkerRegistry.remove` (an admission under way must not revive it)
+    admit_failures: int = 0  # failed admissions in a row (its bundle or model could not be had); 0 once ready
+    retry_at: float = 0.0  # time.monotonic() before which a failed worker's admission is not tried again
 
     def __post_init__(self) -> None:
         self._label_wire_and_role()
@@ -171,8 +222,33 @@ class Worker:
                 metrics.ACTIVE_REQUESTS.dec()
                 for fn in also:
                     fn()
+                if self.in_flight == 0 and self.on_drained is not None:
+                    drained, self.on_drained = self.on_drained, None
+                    drained()
 
         return release
+
+    @property
+    def serving(self) -> bool:
+        """Whether the worker may take new traffic of its model: its model is loaded and it is not draining."""
+        return self.status is WorkerStatus.READY
+
+    @property
+    def takes_traffic(self) -> bool:
+        """Whether a request could be sent to it now: ready (:attr:`serving`) and healthy (what ``/health``
+        counts)."""
+        return self.serving and self.healthy
+
+    def admission_due(self, now: float) -> bool:
+        """Whether its model should be looked for now: never tried (``pending``), or ``failed`` and past its
+        backoff (``now``: ``time.monotonic()``)."""
+        return self.status is WorkerStatus.PENDING or (self.status is WorkerStatus.FAILED and now >= self.retry_at)
+
+    def reported_model(self) -> str:
+        """The model its GetModelInfo reports: ``served_model_name``, else ``model_path`` ("" before a passing
+        probe), as the Rust gateway names a gRPC worker's model (``model_id`` from the server's info)."""
+        labels = self.caps.labels if self.caps is not None else {}
+        return labels.get("served_model_name", "") or labels.get("model_path", "")
 
     def accepts(self, modalities: Iterable[Modality]) -> bool:
         """Whether this worker takes every one of ``modalities`` (its wire x model, the capability matrix)."""
@@ -191,29 +267,104 @@ def _serves(worker: Worker, role: Role) -> bool:
 
 
 class WorkerRegistry:
-    """All workers of the served model."""
+    """The gateway's workers (the root registry), or one model's view of them (:meth:`view`).
+
+    The root holds every worker, probes them and adds or removes them (:meth:`add`, :meth:`remove`); a view
+    shares the root's workers and lists only those that serve its model and may take traffic
+    (``status`` ready: loaded, not draining), so selection and the dispatchers read one model's workers.
+    ``admit``: see :data:`Admit`; None: a worker is ready as soon as it is registered.
+    """
 
     def __init__(self, urls: Iterable[str], policy: HealthPolicy | None = None,
                  prefill: Iterable[tuple[str, int | None]] = (), decode: Iterable[str] = (),
                  encode: Iterable[tuple[str, int | None]] = (),
-                 keepalive: KeepaliveSettings = DEFAULT_KEEPALIVE, routing: RoutingSettings | None = None) -> None:
-        self.workers = [Worker(url=u, target=parse_worker_url(u)) for u in urls]
-        self.workers += [Worker(url=u, target=parse_worker_url(u), assigned_role=Role.PREFILL, bootstrap_port=port)
-                         for u, port in prefill]
-        self.workers += [Worker(url=u, target=parse_worker_url(u), assigned_role=Role.DECODE) for u in decode]
-        self.workers += [Worker(url=u, target=parse_worker_url(u), assigned_role=Role.ENCODE, bootstrap_port=port)
-                         for u, port in encode]
+                 keepalive: KeepaliveSettings = DEFAULT_KEEPALIVE, admit: Admit | None = None,
+                 routing: RoutingSettings | None = None) -> None:
+        self._pool = [Worker(url=u, target=parse_worker_url(u)) for u in urls]
+        self._pool += [Worker(url=u, target=parse_worker_url(u), assigned_role=Role.PREFILL, bootstrap_port=port)
+                       for u, port in prefill]
+        self._pool += [Worker(url=u, target=parse_worker_url(u), assigned_role=Role.DECODE) for u in decode]
+        self._pool += [Worker(url=u, target=parse_worker_url(u), assigned_role=Role.ENCODE, bootstrap_port=port)
+                       for u, port in encode]
         self.policy = policy or HealthPolicy()
         self.keepalive = keepalive  # of every worker's channel (--engine-keepalive-*)
+        self.admit = admit
+        if admit is None:
+            for w in self._pool:
+                w.status = WorkerStatus.READY
+        self._root = True
+        self._model: str | None = None  # a view's model; None: every model
         self._task: asyncio.Task[None] | None = None
         self.routing = routing or RoutingSettings()
         #: the policy of each role (--policy, --prefill-policy, --decode-policy; mmgate.routing.policies)
         self.policies = policies_for(self.routing)
-        self.monitor = PolicyMonitor(lambda: self.workers, self.policies.values(), self.routing)
+        self.monitor = PolicyMonitor(lambda: self._pool, self.policies.values(), self.routing)
+        self._closing: set[asyncio.Task[None]] = set()
+        self._admissions: dict[str, asyncio.Task[None]] = {}  # worker id -> its admission under way
+
+    @property
+    def workers(self) -> list[Worker]:
+        """The root: every registered worker (draining ones included); a view: its model's serving workers."""
+        if self._root:
+            return self._pool
+        return [w for w in self._pool if w.serving and (self._model is None or w.model == self._model)]
+
+    def view(self, model: str | None) -> WorkerRegistry:
+        """The workers of ``model`` (None: of every model, the one ``--model`` serves) that may take traffic,
+        sharing this registry's workers and policy."""
+        other = object.__new__(WorkerRegistry)
+        other._pool, other.policy, other.keepalive, other.admit = self._pool, self.policy, self.keepalive, self.admit
+        other._root, other._model, other._task, other._closing = False, model, None, self._closing
+        other._admissions = self._admissions
+        other.routing, other.policies, other.monitor = self.routing, self.policies, self.monitor
+        return other
+
+    def get(self, worker_id: str) -> Worker | None:
+        """The registered worker with this ``id`` (draining ones included), else None."""
+        return next((w for w in self._pool if w.id == worker_id), None)
+
+    async def add(self, url: str, role: Role | None = None, bootstrap_port: int | None = None) -> Worker:
+        """Register the worker at ``url`` and probe it once (its model found and loaded by ``admit``) before it
+        is listed, so it takes no traffic before its capabilities and model are known.
+
+        Raises:
+            ValueError: ``url`` is not ``grpc://host:port``.
+        """
+        worker = Worker(url=url, target=parse_worker_url(url), assigned_role=role, bootstrap_port=bootstrap_port)
+        if self.admit is None:
+            worker.status = WorkerStatus.READY
+        await self._probe(worker)
+        self._pool.append(worker)
+        return worker
+
+    def remove(self, worker: Worker) -> None:
+        """Take ``worker`` out of rotation: it gets no new traffic; once its requests in flight are released it
+        leaves the registry and its channel is closed (at once when it has none)."""
+        worker.status, worker.removed = WorkerStatus.DRAINING, True
+
+        def drained() -> None:
+            if worker in self._pool:
+                self._pool.remove(worker)
+            for routing_policy in self.policies.values():
+                routing_policy.remove_worker(worker.url)
+            try:
+                metrics.WORKER_HEALTHY.remove(worker.url)
+            except KeyError:  # never probed
+                pass
+            if worker.client is not None:
+                task = asyncio.get_running_loop().create_task(worker.client.close())
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+
+        if worker.in_flight == 0:
+            drained()
+        else:
+            worker.on_drained = drained
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> WorkerRegistry:
-        """The registry of ``settings.worker_urls`` with the ``--worker-health-*`` policy.
+    def from_settings(cls, settings: Settings, admit: Admit | None = None) -> WorkerRegistry:
+        """The registry of ``settings.worker_urls`` with the ``--worker-health-*`` policy (``admit``: see
+        :data:`Admit`).
 
         Raises:
             ValueError: a worker URL that is not ``grpc://host:port``, or a bad health policy.
@@ -222,7 +373,7 @@ class WorkerRegistry:
                                                       timeout_s=settings.worker_health_timeout_s,
                                                       unhealthy_after=settings.worker_unhealthy_after),
                    prefill=settings.prefill_workers, decode=settings.decode_workers, encode=settings.encode_workers,
-                   keepalive=settings.engine_keepalive, routing=settings.routing)
+                   keepalive=settings.engine_keepalive, admit=admit, routing=settings.routing)
 
     @property
     def health_interval_s(self) -> float:
@@ -233,16 +384,53 @@ class WorkerRegistry:
     def health_interval_s(self, value: float) -> None:
         self.policy = replace(self.policy, interval_s=value)
 
-    async def refresh(self) -> None:
-        """Probe every worker once (HealthCheck, then GetModelInfo + GetServerInfo for the labels)."""
-        await asyncio.gather(*(self._probe(w) for w in self.workers))
+    async def refresh(self, wait: bool = True) -> None:
+        """Probe every worker once (HealthCheck, then GetModelInfo + GetServerInfo for the labels), starting
+        the admission of each healthy worker whose admission is due (:meth:`Worker.admission_due`).
 
-    async def _probe(self, worker: Worker) -> None:
+        ``wait``: also wait for the admissions under way (False: the background probe rounds).
+        """
+        await asyncio.gather(*(self._probe(w, wait) for w in list(self._pool)))
+
+    def retry_delay_s(self, failures: int) -> float:
+        """Seconds before a worker whose admission failed ``failures`` times in a row is tried again: one
+        probe interval, doubled per further failure, at most :data:`ADMIT_RETRY_MAX_S`."""
+        return min(self.policy.interval_s * 2.0 ** min(failures - 1, 30), ADMIT_RETRY_MAX_S)
+
+    async def _admit(self, worker: Worker) -> None:
+        assert self.admit is not None
+        await self.admit(worker)
+        if worker.removed:  # removed while its model loaded: it stays out
+            worker.status = WorkerStatus.DRAINING
+        elif worker.status is WorkerStatus.FAILED:
+            worker.admit_failures += 1
+            delay = self.retry_delay_s(worker.admit_failures)
+            worker.retry_at = time.monotonic() + delay
+            log.warning("worker %s: admission failed %d time(s) in a row; next try in %.1f s", worker.url,
+                        worker.admit_failures, delay)
+        else:
+            worker.admit_failures, worker.retry_at = 0, 0.0
+
+    def _admitted(self, worker_id: str, _: asyncio.Task[None]) -> None:
+        self._admissions.pop(worker_id, None)
+
+    async def _probe(self, worker: Worker, wait: bool = True) -> None:
         if worker.client is None:
             worker.client = WorkerClient(worker.target, self.keepalive)
         was = worker.healthy
         probe = await worker.client.probe(self.policy.timeout_s)
-        healthy = worker.record_probe(probe, self.policy, time.monotonic(), worker.client.last_answer)
+        now = time.monotonic()
+        healthy = worker.record_probe(probe, self.policy, now, worker.client.last_answer)
+        if (healthy and worker.caps is not None and self.admit is not None and not worker.removed
+                and worker.admission_due(now) and worker.id not in self._admissions):
+            if worker.status is WorkerStatus.PENDING:
+                worker.status = WorkerStatus.LOADING  # a failed worker stays failed, with its reason, until ready
+            task = asyncio.get_running_loop().create_task(self._admit(worker))
+            self._admissions[worker.id] = task
+            task.add_done_callback(partial(self._admitted, worker.id))
+        admitting = self._admissions.get(worker.id)
+        if wait and admitting is not None:
+            await asyncio.shield(admitting)
         if healthy != was:
             log.warning("worker %s is %s (probe: %s, %d consecutive failures)", worker.url,
                         "healthy" if healthy else "unhealthy", probe.outcome.value, worker.failures)
@@ -258,7 +446,7 @@ class WorkerRegistry:
         while True:
             await asyncio.sleep(self.policy.interval_s)
             try:
-                await self.refresh()
+                await self.refresh(wait=False)
             except Exception:  # a probe must never kill the loop
                 log.exception("worker health refresh failed")
 
@@ -268,7 +456,11 @@ class WorkerRegistry:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        await asyncio.gather(*(w.client.close() for w in self.workers if w.client is not None))
+        admissions = list(self._admissions.values())
+        for task in admissions:
+            task.cancel()
+        await asyncio.gather(*admissions, return_exceptions=True)
+        await asyncio.gather(*(w.client.close() for w in self._pool if w.client is not None), *self._closing)
 
     def check_kinds(self, kinds: Mapping[MediaKind, str]) -> None:
         """Refuse, before anything is fetched, media that no registered worker of the model takes.
@@ -309,7 +501,7 @@ class WorkerRegistry:
                 (retryable 503).
         """
         wanted = list(modalities)
-        healthy = [w for w in self.workers if w.healthy and _serves(w, role)]
+        healthy = [w for w in self.workers if w.healthy and _serves(w, role) and w.status is not WorkerStatus.DRAINING]
         if not healthy:
             what = "" if role is Role.SINGLE else f"{role.value} "
             raise GatewayError(ErrorCode.NO_HEALTHY_WORKER, f"no healthy {what}worker for this model")
