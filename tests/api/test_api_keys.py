@@ -312,8 +312,10 @@ def test_ops_endpoints_are_open_without_protect_ops(stack: Stack, path: str) -> 
 
 
 #: the admin API's routes (issue 25, item 5), guarded by path whether their routes exist yet or not
-ADMIN_CALLS = [("POST", "/workers", {"url": "grpc://127.0.0.1:1"}), ("GET", "/workers/no-such-worker", None),
-               ("DELETE", "/workers/no-such-worker", None)]
+#: an id no worker has (worker ids are UUIDs: a malformed one is 400 ``invalid_request``)
+NO_SUCH_WORKER = "/workers/00000000-0000-4000-8000-000000000000"
+ADMIN_CALLS = [("POST", "/workers", {"url": "grpc://127.0.0.1:1"}), ("GET", NO_SUCH_WORKER, None),
+               ("DELETE", NO_SUCH_WORKER, None)]
 ADMIN_IDS = [f"{m} {p}" for m, p, _ in ADMIN_CALLS]
 
 
@@ -336,7 +338,9 @@ def test_admin_key_reaches_the_admin_routes(stack: Stack, method: str, path: str
     assert resp.status_code not in (401, 403), resp.text
     assert resp.headers.get("X-SMG-Error-Code") not in GUARD_CODES
     if path != "/workers":
-        assert resp.status_code == 404  # no such worker (or, before the admin routes exist, no such route)
+        assert (resp.status_code, resp.headers["X-SMG-Error-Code"]) == (404, "worker_not_found")
+    else:  # the route itself read the (empty) body: no url
+        assert (resp.status_code, resp.headers["X-SMG-Error-Code"]) == (400, "invalid_request")
 
 
 def test_keys_stay_out_of_metrics_and_logs(served: tuple[Stack, MediaOrigin, Path]) -> None:

@@ -33,6 +33,9 @@ from tests.e2e.fault_proxy import FaultProxy
 from tests.support.servers import gateway_in_thread
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
+#: the admin API answers only with ``--admin-api-key`` (docs/security.md); GET /workers stays open
+ADMIN_KEY = "sk-admin-test"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 MESSAGES = [{"role": "user", "content": "Say something."}]
 
 
@@ -45,7 +48,7 @@ def engine() -> Iterator[RunningEngine]:
 
 @pytest.fixture()
 def gateway() -> Iterator[str]:
-    settings = parse_settings(["--model-path", str(model_roots()[0])], {})
+    settings = parse_settings(["--model-path", str(model_roots()[0]), "--admin-api-key", ADMIN_KEY], {})
     with gateway_in_thread(settings) as base:
         yield base
 
@@ -59,14 +62,14 @@ def _wait_for(check: Any, what: str, timeout_s: float = 60.0) -> None:
 
 
 def _worker(base: str, worker_id: str) -> httpx.Response:
-    return httpx.get(f"{base}/workers/{worker_id}", timeout=10)
+    return httpx.get(f"{base}/workers/{worker_id}", headers=ADMIN, timeout=10)
 
 
 def test_a_worker_added_takes_traffic_once_probed_and_loaded(gateway: str, engine: RunningEngine) -> None:
     client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)  # type: ignore[arg-type]
-    added = httpx.post(gateway + "/workers", json={"url": f"grpc://{engine.address}"}, timeout=60)
+    added = httpx.post(gateway + "/workers", json={"url": f"grpc://{engine.address}"}, headers=ADMIN, timeout=60)
     assert added.status_code == 201, added.text
     body = added.json()
     assert body["status"] == "ready" and body["url"] == f"grpc://{engine.address}"
@@ -82,7 +85,8 @@ def test_a_worker_added_takes_traffic_once_probed_and_loaded(gateway: str, engin
 def test_a_worker_removed_while_streaming_drains_then_leaves(gateway: str, engine: RunningEngine) -> None:
     proxy = FaultProxy(engine.port, "drained")
     try:
-        busy = httpx.post(gateway + "/workers", json={"url": f"grpc://127.0.0.1:{proxy.port}"}, timeout=60).json()
+        busy = httpx.post(gateway + "/workers", json={"url": f"grpc://127.0.0.1:{proxy.port}"}, headers=ADMIN,
+                          timeout=60).json()
         assert busy["status"] == "ready"
         proxy.freeze()
         client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -100,8 +104,9 @@ def test_a_worker_removed_while_streaming_drains_then_leaves(gateway: str, engin
         streaming = threading.Thread(target=stream)
         streaming.start()
         _wait_for(lambda: _worker(gateway, busy["worker_id"]).json()["in_flight"] == 1, "the stream to be in flight")
-        other = httpx.post(gateway + "/workers", json={"url": f"grpc://{engine.address}"}, timeout=60).json()
-        removed = httpx.delete(f"{gateway}/workers/{busy['worker_id']}", timeout=10)
+        other = httpx.post(gateway + "/workers", json={"url": f"grpc://{engine.address}"}, headers=ADMIN,
+                           timeout=60).json()
+        removed = httpx.delete(f"{gateway}/workers/{busy['worker_id']}", headers=ADMIN, timeout=10)
         assert removed.status_code == 202
         assert removed.json() == {"status": "draining", "worker_id": busy["worker_id"], "in_flight": 1}
         assert _worker(gateway, busy["worker_id"]).json()["status"] == "draining"
@@ -135,7 +140,8 @@ def test_a_worker_removed_while_streaming_drains_then_leaves(gateway: str, engin
     (b'{"url": "grpc://127.0.0.1:1", "bootstrap_port": 70000}', "bootstrap_port"),
 ])
 def test_a_bad_add_is_400_invalid_request(gateway: str, body: bytes, param: str | None) -> None:
-    resp = httpx.post(gateway + "/workers", content=body, headers={"Content-Type": "application/json"}, timeout=10)
+    resp = httpx.post(gateway + "/workers", content=body, headers={"Content-Type": "application/json", **ADMIN},
+                      timeout=10)
     assert resp.status_code == 400 and resp.headers["X-SMG-Error-Code"] == "invalid_request", resp.text
     assert resp.json()["error"]["param"] == param
     assert httpx.get(gateway + "/workers", timeout=10).json()["workers"] == []
@@ -143,14 +149,14 @@ def test_a_bad_add_is_400_invalid_request(gateway: str, body: bytes, param: str 
 
 def test_ids_and_urls_are_checked(gateway: str, engine: RunningEngine) -> None:
     url = f"grpc://{engine.address}"
-    first = httpx.post(gateway + "/workers", json={"url": url}, timeout=60)
-    again = httpx.post(gateway + "/workers", json={"url": url}, timeout=60)
+    first = httpx.post(gateway + "/workers", json={"url": url}, headers=ADMIN, timeout=60)
+    again = httpx.post(gateway + "/workers", json={"url": url}, headers=ADMIN, timeout=60)
     assert first.status_code == 201 and (again.status_code, again.headers["X-SMG-Error-Code"]) == (409, "worker_exists")
     for method in ("GET", "DELETE"):
-        bad = httpx.request(method, gateway + "/workers/not-a-uuid", timeout=10)
+        bad = httpx.request(method, gateway + "/workers/not-a-uuid", headers=ADMIN, timeout=10)
         assert (bad.status_code, bad.headers["X-SMG-Error-Code"]) == (400, "invalid_request")
-        unknown = httpx.request(method, f"{gateway}/workers/{uuid.uuid4()}", timeout=10)
+        unknown = httpx.request(method, f"{gateway}/workers/{uuid.uuid4()}", headers=ADMIN, timeout=10)
         assert (unknown.status_code, unknown.headers["X-SMG-Error-Code"]) == (404, "worker_not_found")
-    removed = httpx.delete(f"{gateway}/workers/{first.json()['worker_id']}", timeout=10)
+    removed = httpx.delete(f"{gateway}/workers/{first.json()['worker_id']}", headers=ADMIN, timeout=10)
     assert removed.status_code == 202 and removed.json()["status"] == "removed"
     assert httpx.get(gateway + "/workers", timeout=10).json()["workers"] == []
