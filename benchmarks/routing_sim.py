@@ -238,7 +238,7 @@ def oracle(prompts: Sequence[tuple[int, Sequence[int]]], workers: int, capacity:
     counts = [0] * workers
     hits = total = 0
     for done, (n, keys) in enumerate(prompts, start=1):
-        bound = max(1, math.ceil(max_spread * done / workers - 1e-9))
+        bound = done if math.isinf(max_spread) else max(1, math.ceil(max_spread * done / workers - 1e-9))
         allowed = [w for w in range(workers) if counts[w] + 1 <= bound] or list(range(workers))
         best = max(allowed, key=lambda w: (caches[w].match(keys, n, block), -counts[w], -w))
         hits += caches[best].serve(keys, n, block)
