@@ -176,7 +176,7 @@ def test_image_and_clip_over_the_budget_are_413_after_decoding() -> None:
 
     def prepare(body: dict) -> PreparedRequest:
         request = parse_chat_request(json.dumps(body).encode())
-        return asyncio.run(pipe.prepare(request, choose_worker=lambda m: chosen.append(m) or False))
+        return asyncio.run(pipe.prepare(request, choose_worker=lambda m, key: chosen.append(m) or False))
 
     small = prepare(video_body(video_part(clip)))
     assert small.batches[0].tensors["pixel_values"].nbytes == 64 * ROW_BYTES

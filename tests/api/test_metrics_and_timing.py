@@ -306,7 +306,7 @@ def test_tensors_sent_through_shared_memory_are_logged_as_shm_writes(caplog: pyt
 
     async def run() -> None:
         with timing_log.request_scope(True, "req-shm", MODEL):
-            prepared = await state.pipeline.prepare(req, "req-shm", choose_worker=lambda m: False, defer_pixels=True)
+            prepared = await state.pipeline.prepare(req, "req-shm", choose_worker=lambda m, key: False, defer_pixels=True)
             with ShmLease() as lease:
                 await encode_generate_request(prepared, wire, lease).fill()
 

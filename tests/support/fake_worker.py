@@ -12,6 +12,7 @@ INVALID_ARGUMENT, as the servicer refuses its ``ValueError``) and kept in
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from concurrent import futures
@@ -43,6 +44,12 @@ class FakeWorkerState:
     labels: dict[str, object] = field(default_factory=dict)
     received: list[Received] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: GetLoads answers with these ``SchedulerLoad`` fields (None: GetLoads is UNIMPLEMENTED)
+    load: dict[str, float] | None = None
+    #: SubscribeKvEvents streams what is put here (``common_pb2.KvEventBatch``; None ends the stream); with
+    #: ``kv_events`` False it is UNIMPLEMENTED
+    kv_events: bool = False
+    kv_batches: queue.Queue[object] = field(default_factory=queue.Queue)
 
 
 def _decode(td: vllm_engine_pb2.TensorData) -> np.ndarray:
@@ -64,6 +71,24 @@ class _Servicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     def GetServerInfo(self, request, context):  # noqa: N802
         return vllm_engine_pb2.GetServerInfoResponse(server_type="vllm-grpc", **self.state.labels)
+
+    def GetLoads(self, request, context):  # noqa: N802
+        if self.state.load is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "no loads")
+        return vllm_engine_pb2.GetLoadsResponse(dp_rank_count=1, loads=[vllm_engine_pb2.SchedulerLoad(
+            dp_rank=0, **self.state.load)])
+
+    def SubscribeKvEvents(self, request, context):  # noqa: N802
+        if not self.state.kv_events:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "no KV events")
+        while context.is_active():
+            try:
+                batch = self.state.kv_batches.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if batch is None:
+                return
+            yield batch
 
     def Generate(self, request, context):  # noqa: N802
         tensors: dict[str, np.ndarray] = {}

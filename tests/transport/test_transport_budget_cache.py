@@ -303,8 +303,8 @@ def _prepare_both(body: dict, raw: bool = False, **settings_kw: object) -> tuple
     req = parse_chat_request(json.dumps(body).encode())
 
     async def both() -> tuple:
-        arrays = await state.pipeline.prepare(req, request_id="r", choose_worker=lambda m: raw)
-        deferred = await state.pipeline.prepare(req, request_id="r", choose_worker=lambda m: raw, defer_pixels=True)
+        arrays = await state.pipeline.prepare(req, request_id="r", choose_worker=lambda m, key: raw)
+        deferred = await state.pipeline.prepare(req, request_id="r", choose_worker=lambda m, key: raw, defer_pixels=True)
         return arrays, deferred
 
     return state, asyncio.run(both())

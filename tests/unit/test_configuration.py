@@ -189,7 +189,7 @@ def test_serve_help_is_grouped_by_topic_and_names_each_variable() -> None:
                          timeout=60, check=True).stdout
     headings = [line[:-1] for line in out.splitlines() if line and not line[0].isspace() and line.endswith(":")]
     assert headings == ["options", "model and server", "media intake", "video", "tensor transport",
-                        "processing mode", "workers", "HTTP limits", "structured outputs and tools", "memory",
+                        "processing mode", "workers", "routing policy", "HTTP limits", "structured outputs and tools", "memory",
                         "logging and metrics"]
     text = " ".join(out.split())
     for var in ("MMGATE_MODEL_PATH", "SMG_IMAGE_MAX_INPUT_BYTES", "SMG_MM_TENSOR_TRANSPORT",

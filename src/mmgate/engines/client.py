@@ -40,6 +40,7 @@ from mmgate.engines.base import (
     Role,
     Wire,
 )
+from mmgate.engines.loads import KvBatch, WorkerLoad, batch_from_proto, load_from_response
 from mmgate.engines.probe import DETECTION_ORDER, SERVICES, WireService
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.config.settings import KeepaliveSettings
@@ -187,6 +188,41 @@ class WorkerClient:
         except grpc.aio.AioRpcError as exc:
             return Probe(probe_outcome(exc.code()), wire=svc.wire)
         return Probe(ProbeOutcome.OK, caps, wire=svc.wire)
+
+    async def loads(self, timeout_s: float = 2.0) -> WorkerLoad | None:
+        """The worker's ``GetLoads`` answer (its wire's, summed over DP ranks); None when its wire is not
+        detected yet or it does not answer (UNIMPLEMENTED, an RPC failure, ``timeout_s`` seconds passed)."""
+        if self.wire is None:
+            return None
+        try:
+            return load_from_response(await self._call(SERVICES[self.wire], "GetLoads", timeout_s))
+        except (_NotThisService, grpc.aio.AioRpcError):
+            return None
+
+    async def kv_events(self, start_sequence: int = 0) -> AsyncGenerator[KvBatch, None]:
+        """The worker's ``SubscribeKvEvents`` stream (``common.proto`` ``KvEventBatch``), from
+        ``start_sequence`` (0: its current state).  Ends when the stream ends.
+
+        Raises:
+            grpc.aio.AioRpcError: the subscription failed (UNIMPLEMENTED: the worker publishes no KV events).
+        """
+        if self.wire is None:
+            return
+        from smg_grpc_proto.generated import common_pb2
+
+        key = (SERVICES[self.wire].method("SubscribeKvEvents"), True)
+        if key not in self._methods:
+            self._methods[key] = self._channel.unary_stream(
+                key[0], request_serializer=lambda m: m.SerializeToString(),
+                response_deserializer=common_pb2.KvEventBatch.FromString)
+        call = self._methods[key](common_pb2.SubscribeKvEventsRequest(start_sequence_number=start_sequence))
+        try:
+            while (batch := await call.read()) is not grpc.aio.EOF:
+                self.last_answer = time.monotonic()
+                yield batch_from_proto(batch)
+        finally:
+            if not call.done():
+                call.cancel()
 
     async def _info(self, svc: WireService, timeout_s: float) -> Capabilities:
         model = await self._call(svc, "GetModelInfo", timeout_s)

@@ -60,6 +60,7 @@ from mmgate.pipeline.planning import (
     splice_all,
     splice_text,
 )
+from mmgate.pipeline.routing_key import RoutingKey, expanded_key
 from mmgate.request.protocol import ChatCompletionRequest, TextPart
 from mmgate.request.structured import request_constraint, template_tools
 from mmgate.pipeline.runtime import ModelRuntime
@@ -203,15 +204,17 @@ class Pipeline:
         )
 
     async def prepare(self, req: ChatCompletionRequest, request_id: str | None = None,
-                      choose_worker: Callable[[frozenset[Modality]], bool] | None = None,
+                      choose_worker: Callable[[frozenset[Modality], RoutingKey], bool] | None = None,
                       defer_pixels: bool = False) -> PreparedRequest:
         """Run every stage up to an engine-neutral request.
 
-        ``choose_worker(modalities)``, when given, is called once every
+        ``choose_worker(modalities, key)``, when given, is called once every
         request-level refusal has had its chance (planning, rendering, anchor
         count, fetch, decode, per-item geometry) and before any pixel is
-        preprocessed; it selects the worker and returns whether that worker
-        wants raw uint8 pixels (``mm_device_do_normalize``).
+        preprocessed; ``key`` is the request's routing key (the expanded prompt,
+        each item keyed by its hash: :mod:`mmgate.pipeline.routing_key`).  It
+        selects the worker and returns whether that worker wants raw uint8
+        pixels (``mm_device_do_normalize``).
 
         ``defer_pixels``: when images are the first modality of the prompt, their
         ``pixel_values`` come back as a :class:`~mmgate.types.PendingTensor` (sizes
@@ -286,7 +289,7 @@ class Pipeline:
         return Rendered(plan, prompt, ids, tuple(segments))
 
     async def process_media(self, ids: list[int], plan: RequestPlan, timings: dict[str, float],
-                            choose_worker: Callable[[frozenset[Modality]], bool] | None = None,
+                            choose_worker: Callable[[frozenset[Modality], RoutingKey], bool] | None = None,
                             defer_pixels: bool = False, segments: Sequence[tuple[str, bool]] | None = None,
                             ) -> tuple[list[int], tuple[EncoderBatch, ...], tuple[ItemPlan, ...]]:
         """Prompt ids with one anchor per item + the plan's media -> expanded ids, encoder batches, plans.
@@ -333,7 +336,22 @@ class Pipeline:
                                     for im, r in zip(decoded, images)) if image_proc is not None else ()
                 video_plans = tuple(_at(r, video_proc.plan, clip, r.hints)
                                     for clip, r in zip(clips, videos)) if video_proc is not None else ()
-                raw = choose_worker(modalities) if choose_worker is not None else False
+                image_hashes = tuple(item_hash(d.content_hash, hinted(image_proc.fingerprint, r.hints))
+                                     for d, r in zip(decoded, images)) if image_proc is not None else ()
+                video_hashes = tuple(item_hash(c.content_hash, hinted(self._video_fingerprint(video_proc, c),
+                                                                      r.hints))
+                                     for c, r in zip(clips, videos)) if video_proc is not None else ()
+                reps: dict[Modality, list[Replacement]] = {}
+                if images and image_proc is not None:
+                    reps[Modality.IMAGE] = [image_proc.expand(pl) for pl in image_plans]
+                if videos and video_proc is not None:
+                    reps[Modality.VIDEO] = [video_proc.expand(pl) for pl in video_plans]
+                raw = False
+                if choose_worker is not None:
+                    hashes = {Modality.IMAGE: image_hashes, Modality.VIDEO: video_hashes}
+                    raw = choose_worker(modalities, expanded_key(ids, {
+                        procs[m].anchor_token_id: [(h, _run(rep)) for h, rep in zip(hashes[m], reps[m])]
+                        for m in reps}))
                 if limit is not None:
                     items = [*zip(image_plans, images), *((vp.item, r) for vp, r in zip(video_plans, videos))]
                     _check_payload(items, element_bytes(self.settings.transport, raw), limit)
@@ -342,18 +360,11 @@ class Pipeline:
                     self._preprocess_images(image_proc, decoded, images, image_plans, raw, defer),
                     self._preprocess_videos(video_proc, clips, video_plans, raw))
             with metrics.stage("expand", timings):
-                reps: dict[Modality, list[Replacement]] = {}
                 made: dict[Modality, tuple[EncoderBatch | None, tuple[str, ...]]] = {}
                 if images and image_proc is not None:
-                    reps[Modality.IMAGE] = [image_proc.expand(pl) for pl in image_plans]
-                    made[Modality.IMAGE] = (image_batch, tuple(
-                        item_hash(d.content_hash, hinted(image_proc.fingerprint, r.hints))
-                        for d, r in zip(decoded, images)))
+                    made[Modality.IMAGE] = (image_batch, image_hashes)
                 if videos and video_proc is not None:
-                    reps[Modality.VIDEO] = [video_proc.expand(pl) for pl in video_plans]
-                    made[Modality.VIDEO] = (video_batch, tuple(
-                        item_hash(c.content_hash, hinted(self._video_fingerprint(video_proc, c), r.hints))
-                        for c, r in zip(clips, videos)))
+                    made[Modality.VIDEO] = (video_batch, video_hashes)
                 ids, ranges = self._expand(ids, reps, procs, segments)
                 batches = tuple(_with_items(*made[m], ranges[m])
                                 for m in dict.fromkeys(r.modality for r in plan.media) if m in made)
@@ -362,7 +373,7 @@ class Pipeline:
             metrics.MM_ITEMS.labels(Modality.IMAGE.value).inc(len(images))
             metrics.MM_ITEMS.labels(Modality.VIDEO.value).inc(len(videos))
         elif choose_worker is not None:
-            choose_worker(modalities)
+            choose_worker(modalities, RoutingKey.text(ids))
         return ids, batches, plans
 
     def _expand(self, ids: list[int], reps: Mapping[Modality, Sequence[Replacement]],
@@ -641,6 +652,14 @@ def _check_payload(items: Sequence[tuple[ItemPlan, MediaRef]], itemsize: int, li
     sizes = [pl.primary_values * itemsize for pl, _ in items]
     if sizes and sum(sizes) > limit:
         raise payload_too_large(sum(sizes), limit, items[sizes.index(max(sizes))][1].param)
+
+
+def _run(rep: Replacement) -> tuple[int, ...] | int:
+    """The ids an anchor expands to (token-level updates), else their count (text-level: known once the
+    prompt is tokenized again; lead, embedding and trailing tokens)."""
+    if rep.text is None:
+        return rep.token_ids
+    return rep.embed_offset + rep.embed_length + rep.trail
 
 
 def _with_items(batch: EncoderBatch | None, hashes: tuple[str, ...], ranges: Sequence[PlaceholderRange]) -> EncoderBatch:

@@ -58,9 +58,11 @@ from mmgate.observe import metrics, timing_log
 from mmgate.engines.adapter import WireAdapter
 from mmgate.engines.base import Bootstrap, EncodedRequest, EngineEvent, Role
 from mmgate.errors import ErrorCode, GatewayError
+from mmgate.pipeline.routing_key import RoutingKey
 from mmgate.routing.capability import check_capable, media_kinds
 from mmgate.routing.dispatch import Dispatcher, EngineAnswer, finish, router_tally
 from mmgate.routing.mm_processing import Mode
+from mmgate.routing.policies.base import RouteRequest
 from mmgate.routing.workers import Worker, WorkerRegistry
 from mmgate.transport.shm import ShmLease
 from mmgate.types import Modality, PreparedRequest
@@ -158,15 +160,16 @@ def _check_language_model_only(state: DispatchContext, req: ChatCompletionReques
 
 
 def select_pair(registry: WorkerRegistry, modalities: frozenset[Modality],
-                full_decode: bool = False) -> tuple[Worker, Worker]:
-    """The least-loaded healthy prefill worker and least-loaded healthy decode worker of the same PD wire;
+                full_decode: bool = False, request: RouteRequest | None = None) -> tuple[Worker, Worker]:
+    """The healthy prefill worker ``--prefill-policy`` picks and the healthy decode worker of the same PD wire
+    ``--decode-policy`` picks, both for ``request`` (SMG ``routers/grpc/pd_router.rs``: one policy per leg);
     ``full_decode``: the request is one a language-model-only decode worker cannot serve, so one that is not
     is preferred (:func:`check_pd_request` refused it before when every decode worker is).
 
     Raises:
         GatewayError(NO_HEALTHY_WORKER): no such pair (retryable 503), or MULTIMODAL_NOT_SUPPORTED.
     """
-    prefill = registry.select(modalities, Role.PREFILL)
+    prefill = registry.select(modalities, Role.PREFILL, request)
     wire, adapter = prefill.wire, prefill.adapter
     if adapter is None or Role.PREFILL not in adapter.roles:  # a wire whose adapter encodes no PD legs
         raise GatewayError(ErrorCode.NO_HEALTHY_WORKER,
@@ -181,7 +184,7 @@ def select_pair(registry: WorkerRegistry, modalities: frozenset[Modality],
             raise GatewayError(ErrorCode.NO_HEALTHY_WORKER,
                                f"no healthy decode worker of the {wire} wire runs the whole model (this request "
                                "cannot be served by a language-model-only one)")
-    return prefill, min(decoders, key=lambda w: w.in_flight)
+    return prefill, registry.policies[Role.DECODE].select(decoders, request or RouteRequest())
 
 
 async def _drain(responses: AsyncGenerator[EngineEvent, None]) -> None:
@@ -303,8 +306,8 @@ async def start_pd(state: DispatchContext, req: ChatCompletionRequest, request_i
     pair: list[tuple[Worker, Worker]] = []
     full_decode = needs_full_decode(state, req)
 
-    def choose_worker(modalities: frozenset[Modality]) -> bool:
-        prefill, decode = select_pair(state.workers, modalities, full_decode)
+    def choose_worker(modalities: frozenset[Modality], key: RoutingKey) -> bool:
+        prefill, decode = select_pair(state.workers, modalities, full_decode, RouteRequest.current(key, req.user))
         adapter = prefill.adapter
         assert adapter is not None
         if req.n > 1 and modalities and not adapter.pd_n_samples:
@@ -314,7 +317,7 @@ async def start_pd(state: DispatchContext, req: ChatCompletionRequest, request_i
 
     prepared = await state.pipeline.prepare(req, request_id, choose_worker=choose_worker, defer_pixels=True)
     if not pair:  # a text-only request: choose_worker is not called for it
-        choose_worker(frozenset())
+        choose_worker(frozenset(), RoutingKey.text(prepared.input_ids))
     prefill, decode = pair[0]
     assert prefill.adapter is not None and decode.adapter is not None
     assert prefill.client is not None and decode.client is not None

@@ -31,8 +31,10 @@ from mmgate.routing.dispatch import Dispatcher, EngineAnswer, Tally, finish
 from mmgate.routing.mm_processing import (
     Mode,
     check_anchor_counts,
+    refs_key,
     select_processing_worker,
 )
+from mmgate.routing.policies.base import RouteRequest
 from mmgate.types import MediaRef, Modality, PreparedRequest
 
 if TYPE_CHECKING:
@@ -67,7 +69,8 @@ class MediaRefsDispatcher(Dispatcher):
         with metrics.stage("forward_checks", timings):
             check_anchor_counts(ids, refs, state.runtime.family)
             check_ref_sizes(refs, state.settings.fetch)
-            worker = select_processing_worker(state.workers, refs)
+            key = refs_key(ids, refs, state.runtime.family)
+            worker = select_processing_worker(state.workers, refs, RouteRequest.current(key, req.user))
         prepared = PreparedRequest(
             request_id=request_id, model=state.runtime.served_name, prompt_text=prompt,
             input_ids=tuple(ids), batches=(), sampling=sampling, stream=req.stream, timings_ms=timings)

@@ -32,6 +32,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+import blake3
 import msgspec
 
 from mmgate.observe import metrics
@@ -39,6 +40,9 @@ from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.fetch import url_scheme
 from mmgate.models.family import Family, processor
 from mmgate.request.protocol import ChatCompletionRequest, ImagePart, TextPart, VideoPart
+from mmgate.engines.base import Role
+from mmgate.pipeline.routing_key import RoutingKey, expanded_key
+from mmgate.routing.policies.base import RouteRequest
 from mmgate.routing.workers import Worker, WorkerRegistry
 from mmgate.pipeline.runtime import ModelRuntime
 from mmgate.config.settings import MmProcessing, Settings
@@ -168,13 +172,29 @@ def check_anchor_counts(ids: Sequence[int], refs: Sequence[MediaRef], family: Fa
                                "messages")
 
 
+def refs_key(ids: Sequence[int], refs: Sequence[MediaRef], family: Family | None) -> RoutingKey:
+    """The routing key of a request whose media the worker fetches (worker mode): the unexpanded prompt with
+    each item's anchor keyed by its URL (blake3 of the URL and the item's hints), the gateway knowing neither
+    the media's bytes nor its run length."""
+    if family is None or not refs:
+        return RoutingKey.text(ids)
+    runs = {}
+    for modality in (Modality.IMAGE, Modality.VIDEO):
+        if modality in family.limits:
+            runs[processor(family, modality).anchor_token_id] = [
+                (blake3.blake3(f"{r.url}|{r.hints}".encode()).hexdigest(), 1) for r in refs if r.modality is modality]
+    return expanded_key(ids, runs)
+
+
 def worker_schemes(worker: Worker) -> frozenset[str]:
     """The URL schemes the worker fetches (its ``mm_media_ref_schemes`` label)."""
     return frozenset(s.strip().lower() for s in worker.labels.get(SCHEMES_LABEL, "").split(",") if s.strip())
 
 
-def select_processing_worker(registry: WorkerRegistry, refs: Sequence[MediaRef]) -> Worker:
-    """The least-loaded healthy worker that processes media references and fetches every ref's scheme.
+def select_processing_worker(registry: WorkerRegistry, refs: Sequence[MediaRef],
+                             request: RouteRequest | None = None) -> Worker:
+    """The healthy worker that processes media references and fetches every ref's scheme that ``--policy``
+    picks for ``request`` (:mod:`mmgate.routing.policies`).
 
     Raises:
         GatewayError(NO_HEALTHY_WORKER): 503, no healthy worker advertises a media processor.
@@ -194,7 +214,7 @@ def select_processing_worker(registry: WorkerRegistry, refs: Sequence[MediaRef])
         raise GatewayError(ErrorCode.UNSUPPORTED_MEDIA_URL_SCHEME,
                            f"media URL scheme {schemes[bad.url]!r} is not fetched by the worker "
                            f"(it fetches: {','.join(sorted(accepted)) or 'nothing'})", bad.param)
-    chosen = min(fitting, key=lambda w: w.in_flight)
+    chosen = registry.policies[Role.SINGLE].select(fitting, request or RouteRequest())
     assert chosen.client is not None  # healthy implies probed
     return chosen
 

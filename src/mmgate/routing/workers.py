@@ -6,8 +6,9 @@ the worker that will run it.  Workers are registered from ``--worker-urls``
 engine seam (:class:`mmgate.engines.client.WorkerClient`): the engine it runs is
 detected without a flag (the first engine service whose ``HealthCheck`` answers,
 as SMG detects it), and its GetModelInfo / GetServerInfo become typed
-:class:`~mmgate.engines.base.Capabilities`.  Selection takes the healthy worker
-with the fewest requests in flight (ties: registration order).
+:class:`~mmgate.engines.base.Capabilities`.  Selection takes the healthy, capable
+workers of the request's role and lets the role's routing policy (:mod:`mmgate.routing.policies`,
+``--policy``) pick one.
 
 Health tells busy from dead (:class:`HealthPolicy`, :meth:`Worker.record_probe`):
 * a probe that passes makes the worker healthy at once and clears its count;
@@ -48,6 +49,10 @@ from mmgate.engines.base import Capabilities, Probe, ProbeOutcome, Role
 from mmgate.engines.capabilities import MediaKind, any_wire_takes, takes, takes_all
 from mmgate.engines.client import DEFAULT_KEEPALIVE, WorkerClient
 from mmgate.errors import ErrorCode, GatewayError
+from mmgate.config.settings import RoutingSettings
+from mmgate.routing.policies import policies_for
+from mmgate.routing.policies.base import RouteRequest
+from mmgate.routing.policies.monitor import PolicyMonitor
 from mmgate.types import Modality
 
 if TYPE_CHECKING:
@@ -191,7 +196,7 @@ class WorkerRegistry:
     def __init__(self, urls: Iterable[str], policy: HealthPolicy | None = None,
                  prefill: Iterable[tuple[str, int | None]] = (), decode: Iterable[str] = (),
                  encode: Iterable[tuple[str, int | None]] = (),
-                 keepalive: KeepaliveSettings = DEFAULT_KEEPALIVE) -> None:
+                 keepalive: KeepaliveSettings = DEFAULT_KEEPALIVE, routing: RoutingSettings | None = None) -> None:
         self.workers = [Worker(url=u, target=parse_worker_url(u)) for u in urls]
         self.workers += [Worker(url=u, target=parse_worker_url(u), assigned_role=Role.PREFILL, bootstrap_port=port)
                          for u, port in prefill]
@@ -201,6 +206,10 @@ class WorkerRegistry:
         self.policy = policy or HealthPolicy()
         self.keepalive = keepalive  # of every worker's channel (--engine-keepalive-*)
         self._task: asyncio.Task[None] | None = None
+        self.routing = routing or RoutingSettings()
+        #: the policy of each role (--policy, --prefill-policy, --decode-policy; mmgate.routing.policies)
+        self.policies = policies_for(self.routing)
+        self.monitor = PolicyMonitor(lambda: self.workers, self.policies.values(), self.routing)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> WorkerRegistry:
@@ -213,7 +222,7 @@ class WorkerRegistry:
                                                       timeout_s=settings.worker_health_timeout_s,
                                                       unhealthy_after=settings.worker_unhealthy_after),
                    prefill=settings.prefill_workers, decode=settings.decode_workers, encode=settings.encode_workers,
-                   keepalive=settings.engine_keepalive)
+                   keepalive=settings.engine_keepalive, routing=settings.routing)
 
     @property
     def health_interval_s(self) -> float:
@@ -243,6 +252,7 @@ class WorkerRegistry:
         """Probe every worker once, then every ``policy.interval_s`` seconds in the background."""
         await self.refresh()
         self._task = asyncio.create_task(self._loop())
+        self.monitor.start()
 
     async def _loop(self) -> None:
         while True:
@@ -254,6 +264,7 @@ class WorkerRegistry:
 
     async def close(self) -> None:
         """Stop probing and close every worker's channel."""
+        await self.monitor.close()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -286,9 +297,11 @@ class WorkerRegistry:
                                    f"no worker of this model takes {kind.value} input (wire: {wires}; "
                                    "docs/engines.md, capability matrix)", param)
 
-    def select(self, modalities: Iterable[Modality], role: Role = Role.SINGLE) -> Worker:
-        """The least-loaded healthy worker of ``role`` that can take ``modalities`` and that this gateway has an
-        adapter for (``role`` single: any worker not given a prefill/decode role with ``--prefill``/``--decode``).
+    def select(self, modalities: Iterable[Modality], role: Role = Role.SINGLE,
+               request: RouteRequest | None = None) -> Worker:
+        """The worker ``role``'s policy (:attr:`policies`) picks for ``request`` among the healthy workers of
+        ``role`` that can take ``modalities`` and that this gateway has an adapter for (``role`` single: any worker
+        not given a prefill/decode role with ``--prefill``/``--decode``).
 
         Raises:
             GatewayError(MULTIMODAL_NOT_SUPPORTED): healthy workers exist but none takes these modalities.
@@ -309,6 +322,6 @@ class WorkerRegistry:
             wires = ", ".join(sorted({w.wire for w in capable}))
             raise GatewayError(ErrorCode.NO_HEALTHY_WORKER,
                                f"the healthy workers of this model speak {wires}, which this gateway has no adapter for")
-        chosen = min(spoken, key=lambda w: w.in_flight)
+        chosen = self.policies.get(role, self.policies[Role.SINGLE]).select(spoken, request or RouteRequest())
         assert chosen.client is not None  # healthy implies probed
         return chosen
