@@ -19,7 +19,7 @@ refused: the cache could not be simulated from it.
 cache) so load-aware policies see something real.
 
 Control, one line on stdin -> one JSON line on stdout: ``stats`` (per worker: requests, prompt and
-cached tokens, media items, hashes sent, hash mismatches), ``log`` (per request, in arrival order:
+cached tokens, media items, those keyed by their own rows, hashes sent, hash mismatches), ``log`` (per request, in arrival order:
 worker, prompt tokens, block keys: the oracle's input), ``reset`` (empty every cache and counter).
 
 Run:  python benchmarks/recording_worker.py --model <bundle> --ports 50051 50052 50053 50054
@@ -72,8 +72,9 @@ def tensor_bytes(td: Any) -> bytes:
     return raw
 
 
-def item_keys(mm: Any) -> list[str]:
-    """One content key per placeholder of a ``MultimodalInputs`` batch (see the module docstring)."""
+def item_keys(mm: Any) -> tuple[list[str], bool]:
+    """One content key per placeholder of a ``MultimodalInputs`` batch (see the module docstring), and whether
+    they are the items' own rows (else one key of the whole batch per index: no grid tensor to split by)."""
     primary = mm.pixel_values if mm.HasField("pixel_values") else None
     others = {name: tensor_bytes(td) for name, td in sorted(mm.model_specific_tensors.items())}
     raw = tensor_bytes(primary) if primary is not None else b""
@@ -89,11 +90,11 @@ def item_keys(mm: Any) -> list[str]:
             for r in rows:
                 keys.append(blake3.blake3(raw[start * row_bytes:(start + r) * row_bytes]).hexdigest())
                 start += r
-            return keys
+            return keys, True
     whole = blake3.blake3(raw)
     for name in sorted(others):
         whole.update(others[name])
-    return [f"{whole.hexdigest()}:{i}" for i in range(n)]
+    return [f"{whole.hexdigest()}:{i}" for i in range(n)], False
 
 
 class RecordingEngine(NullEngine):
@@ -116,7 +117,7 @@ class RecordingEngine(NullEngine):
     def reset(self) -> None:
         self.cache.clear()
         self.stats = {"worker": self.index, "requests": 0, "prompt_tokens": 0, "cached_tokens": 0,
-                      "mm_items": 0, "mm_hashes_sent": 0, "hash_mismatches": 0}
+                      "mm_items": 0, "mm_items_keyed_by_rows": 0, "mm_hashes_sent": 0, "hash_mismatches": 0}
         self.hash_to_key: dict[str, str] = {}
         self.key_to_hash: dict[str, str] = {}
 
@@ -143,7 +144,8 @@ class RecordingEngine(NullEngine):
         items: list[tuple[int, int, str]] = []
         try:
             for mm in batches:
-                keys = item_keys(mm)
+                keys, by_rows = item_keys(mm)
+                self.stats["mm_items_keyed_by_rows"] += len(keys) if by_rows else 0
                 if mm.mm_hashes:
                     self._check_hashes(list(mm.mm_hashes), keys)
                 items += [(p.offset, p.length, k) for p, k in zip(mm.mm_placeholders, keys)]

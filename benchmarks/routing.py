@@ -256,6 +256,7 @@ def run_one(gateway: str, policy: str, args: argparse.Namespace, workers: Worker
            "requests_per_worker": per_worker, "spread": load_spread(per_worker),
            "mm_hashes_sent": sum(s["mm_hashes_sent"] for s in stats),
            "mm_items": sum(s["mm_items"] for s in stats),
+           "mm_items_keyed_by_rows": sum(s["mm_items_keyed_by_rows"] for s in stats),
            "hash_mismatches": sum(s["hash_mismatches"] for s in stats),
            "startup_s": round(startup, 2), "seconds": round(seconds, 2)}
     print(f"{gateway:6s} {policy:18s} hit {row['hit_ratio']:.3f} spread {row['spread']:.2f} "

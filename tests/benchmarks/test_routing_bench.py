@@ -148,7 +148,7 @@ def test_recording_worker_counts_hits_over_grpc(recording_workers) -> None:
     # first: 0; same image again: (48 - 1) // 16 = 2 of 3 blocks -> 32; other image: block 0 (tokens 0-15, text)
     # is shared, block 1 (16-31) holds the image -> 16
     assert stats[0] == {"worker": 0, "requests": 3, "prompt_tokens": 144, "cached_tokens": 48, "mm_items": 3,
-                        "mm_hashes_sent": 3, "hash_mismatches": 0}
+                        "mm_items_keyed_by_rows": 3, "mm_hashes_sent": 3, "hash_mismatches": 0}
     assert stats[1]["requests"] == 0
     log = control("log")
     assert [(w, n, cached) for _, w, n, cached, _ in log] == [(0, 48, 0), (0, 48, 32), (0, 48, 16)]
