@@ -30,9 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
-import stat
 import sys
 import time
 from pathlib import Path
@@ -41,7 +39,7 @@ from typing import Any
 import blake3
 import grpc
 import numpy as np
-from null_worker import SHM_DIR, NullEngine, default_served_name
+from null_worker import NullEngine, default_served_name, read_shm_bytes
 from routing_sim import BLOCK_TOKENS, PrefixCache, block_keys
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
@@ -52,24 +50,7 @@ _NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint1
 
 def tensor_bytes(td: Any) -> bytes:
     """The raw bytes of a ``TensorData`` (inline, or read from ``/dev/shm`` and unlinked)."""
-    if td.WhichOneof("payload") != "shm":
-        return bytes(td.inline)
-    name = td.shm.name.lstrip("/")
-    if not name or "/" in name or name in (".", ".."):
-        raise ValueError(f"bad shm name {td.shm.name!r}")
-    path = os.path.join(SHM_DIR, name)
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"shm {name!r} is not a regular file")
-        raw = os.pread(fd, int(td.shm.nbytes), int(td.shm.offset))
-    finally:
-        os.close(fd)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-    return raw
+    return read_shm_bytes(td.shm) if td.WhichOneof("payload") == "shm" else bytes(td.inline)
 
 
 def item_keys(mm: Any) -> tuple[list[str], bool]:

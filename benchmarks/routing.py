@@ -45,7 +45,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -53,7 +52,7 @@ from typing import Any
 import httpx
 import numpy as np
 from bench_report import MODELS_DIR, REPO_ROOT, environment, render_table, sample_jpeg
-from gateway_procs import _spawn
+from gateway_procs import start_smg
 from routing_sim import BLOCK_TOKENS, Trace, load_spread, make_trace, oracle
 
 from mmgate.cli.launch import Child, free_port, start_gateway
@@ -138,33 +137,6 @@ class Workers:
         Child("recording-worker", self.proc, 0, self.log_path).stop()
 
 
-def start_smg(smg_bin: Path, bundle: Path, worker_ports: Sequence[int], extra: Sequence[str], log_dir: Path,
-              served_name: str, timeout_s: float = 90.0) -> Child:
-    """``smg launch`` in front of every worker; returns once all are ready and the model is listed."""
-    port, prom_port = free_port(), free_port()
-    argv = [str(smg_bin), "launch", "--worker-urls", *[f"grpc://127.0.0.1:{p}" for p in worker_ports],
-            "--model-path", str(bundle), "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-            "--prometheus-port", str(prom_port), "--log-level", "warn", *extra]
-    child = _spawn("smg", argv, port, log_dir)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if child.proc.poll() is not None:
-            raise RuntimeError(f"smg exited ({child.proc.returncode}):\n{child.log_tail()}")
-        try:
-            r = httpx.get(f"http://127.0.0.1:{port}/workers", timeout=1.0)
-            workers = r.json().get("workers", []) if r.status_code == 200 else []
-            ready = [w for w in workers if w.get("is_healthy") and w.get("status") == "ready"]
-            if len(ready) >= len(worker_ports):
-                models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1.0).json().get("data", [])
-                if any(m.get("id") == served_name for m in models):
-                    return child
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.25)
-    child.stop()
-    raise RuntimeError(f"smg did not become ready in {timeout_s}s:\n{child.log_tail()}")
-
-
 def mmgate_policies() -> list[str] | None:
     """The ``--policy`` choices of this mmgate (``mmgate serve --help``), or None when it has no such flag."""
     out = subprocess.run([sys.executable, "-m", "mmgate.cli", "serve", "--help"], capture_output=True, text=True,
@@ -235,7 +207,7 @@ def run_one(gateway: str, policy: str, args: argparse.Namespace, workers: Worker
         child = start_gateway(str(bundle), workers.ports, extra=extra, log_dir=log_dir)
     else:
         extra = ["--policy", policy, "--mm-processing", "router", *args.smg_arg]
-        child = start_smg(Path(args.smg), bundle, workers.ports, extra, log_dir, served)
+        child = start_smg(Path(args.smg), bundle, workers.ports, extra, log_dir, None, served)
     startup = time.monotonic() - t0
     try:
         wait_serving(f"http://127.0.0.1:{child.port}", served)
@@ -354,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     rows.append(run_one(gateway, "default", args, workers, bundle, served, trace, parts, log_dir))
                     continue
-                if gateway == "mmgate" and policy not in mmgate_has:
+                if gateway == "mmgate" and policy not in (mmgate_has or []):
                     print(f"mmgate has no policy {policy}", file=sys.stderr)
                     continue
                 rows.append(run_one(gateway, policy, args, workers, bundle, served, trace, parts, log_dir))

@@ -171,7 +171,7 @@ def system_prompts() -> list[str]:
     return [_SYSTEM_BASE + policy, _SYSTEM_BASE + "Prefer lists for counts.", "You are a helpful assistant."]
 
 
-def make_trace(seed: int = 25, users: int = 32, hot_images: int = 3, hot_share: float = 0.4,
+def make_trace(seed: int = 25, users: int = 48, hot_images: int = 3, hot_share: float = 0.6,
                video_share: float = 0.25, two_image_share: float = 0.15, turns: tuple[int, int] = (2, 5)) -> Trace:
     """A deterministic trace: ``users`` conversations of ``turns`` (inclusive range) turns each.
 
