@@ -30,7 +30,7 @@ within ``--oracle-spread`` x the running mean.  Goal (issue 25): mmgate's cache_
 least smg's, at a load spread no worse.  The interleaving of conversations depends on timing, so
 the numbers move a little from run to run; the trace itself does not.
 
-Run (about 3 minutes on 2 cores):
+Run (about 4 minutes on 2 cores):
     python benchmarks/routing.py --out bench-out/routing
 """
 
