@@ -57,8 +57,8 @@ def start_smg(smg_bin: Path, bundle: Path, worker_port: int | Sequence[int], tra
     env = dict(os.environ)
     if turbojpeg_dir is not None and (turbojpeg_dir / "libturbojpeg.so.0").exists():
         env["LD_LIBRARY_PATH"] = f"{turbojpeg_dir}:{env.get('LD_LIBRARY_PATH', '')}".rstrip(":")
-    argv = [str(smg_bin), "launch", "--worker-urls", *[f"grpc://127.0.0.1:{p}" for p in ports], "--model-path", str(bundle),
-            "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+    argv = [str(smg_bin), "launch", "--worker-urls", *[f"grpc://127.0.0.1:{p}" for p in ports],
+            "--model-path", str(bundle), "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
             "--prometheus-port", str(prom_port), "--log-level", "warn", *transport_args]
     child = _spawn("smg", argv, port, log_dir, env)
     deadline = time.monotonic() + timeout_s

@@ -19,8 +19,9 @@ refused: the cache could not be simulated from it.
 cache) so load-aware policies see something real.
 
 Control, one line on stdin -> one JSON line on stdout: ``stats`` (per worker: requests, prompt and
-cached tokens, media items, those keyed by their own rows, hashes sent, hash mismatches), ``log`` (per request, in arrival order:
-worker, prompt tokens, block keys: the oracle's input), ``reset`` (empty every cache and counter).
+cached tokens, media items, those keyed by their own rows, hashes sent, hash mismatches), ``log`` (per
+request, in arrival order: time, worker, prompt tokens, cached tokens, block keys: the oracle's input),
+``reset`` (empty every cache and counter).
 
 Run:  python benchmarks/recording_worker.py --model <bundle> --ports 50051 50052 50053 50054
 """
