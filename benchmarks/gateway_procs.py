@@ -48,14 +48,17 @@ def mmgate_has_transport_flags() -> bool:
     return "--multimodal-tensor-transport" in out.stdout
 
 
-def start_smg(smg_bin: Path, bundle: Path, worker_port: int, transport_args: Sequence[str], log_dir: Path,
-              turbojpeg_dir: Path | None, served_name: str, timeout_s: float = 90.0) -> Child:
+def start_smg(smg_bin: Path, bundle: Path, worker_port: int | Sequence[int], transport_args: Sequence[str],
+              log_dir: Path, turbojpeg_dir: Path | None, served_name: str, timeout_s: float = 90.0) -> Child:
+    """``smg launch`` in front of the worker(s) on ``worker_port``; returns once every worker is ready and the
+    model is listed (``transport_args``: any further flags)."""
+    ports = [worker_port] if isinstance(worker_port, int) else list(worker_port)
     port, prom_port = free_port(), free_port()
     env = dict(os.environ)
     if turbojpeg_dir is not None and (turbojpeg_dir / "libturbojpeg.so.0").exists():
         env["LD_LIBRARY_PATH"] = f"{turbojpeg_dir}:{env.get('LD_LIBRARY_PATH', '')}".rstrip(":")
-    argv = [str(smg_bin), "launch", "--worker-urls", f"grpc://127.0.0.1:{worker_port}", "--model-path", str(bundle),
-            "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+    argv = [str(smg_bin), "launch", "--worker-urls", *[f"grpc://127.0.0.1:{p}" for p in ports],
+            "--model-path", str(bundle), "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
             "--prometheus-port", str(prom_port), "--log-level", "warn", *transport_args]
     child = _spawn("smg", argv, port, log_dir, env)
     deadline = time.monotonic() + timeout_s
@@ -65,7 +68,7 @@ def start_smg(smg_bin: Path, bundle: Path, worker_port: int, transport_args: Seq
         try:
             r = httpx.get(f"http://127.0.0.1:{port}/workers", timeout=1.0)
             workers = r.json().get("workers", []) if r.status_code == 200 else []
-            if any(w.get("is_healthy") and w.get("status") == "ready" for w in workers):
+            if sum(1 for w in workers if w.get("is_healthy") and w.get("status") == "ready") >= len(ports):
                 models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1.0).json().get("data", [])
                 if any(m.get("id") == served_name for m in models):
                     return child

@@ -51,6 +51,12 @@ def read_and_unlink_shm(handle: Any) -> int:
     Raises:
         ValueError: a bad name, not a regular file, or a short read.
     """
+    return len(read_shm_bytes(handle))
+
+
+def read_shm_bytes(handle: Any) -> bytes:
+    """The ``nbytes`` at ``offset`` of ``/dev/shm/<name>`` (the segment is unlinked); errors as
+    :func:`read_and_unlink_shm`."""
     name = handle.name.lstrip("/")
     if not name or "/" in name or name in (".", ".."):
         raise ValueError(f"bad shm name {handle.name!r}")
@@ -68,7 +74,7 @@ def read_and_unlink_shm(handle: Any) -> int:
             pass
     if len(raw) != int(handle.nbytes):
         raise ValueError(f"shm {name!r}: read {len(raw)} of {int(handle.nbytes)} bytes")
-    return len(raw)
+    return raw
 
 
 def default_served_name(bundle: Path) -> str:
