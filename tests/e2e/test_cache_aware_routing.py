@@ -89,3 +89,32 @@ def test_a_follow_up_turn_goes_to_the_worker_that_served_the_first(
         a2_at, _ = ask(follow(a1, a1_answer, "And what colour is its top left corner?"))
     # round_robin would give first, second, first, second; the fewest in flight alone first x 4
     assert [a1_at, b1_at, b2_at, a2_at] == ["first", "second", "second", "first"]
+
+
+def test_routing_headers_reach_the_consistent_hashing_policy(engines: list[tuple[RunningEngine, Path]]) -> None:
+    """``--policy consistent_hashing``: the HTTP request's ``X-SMG-Target-Worker`` picks the worker by index
+    (out of range: 503 ``no_healthy_worker``), and one ``X-SMG-Routing-Key`` keeps every request on one worker,
+    as SMG reads those headers."""
+    urls = [f"grpc://127.0.0.1:{engine.port}" for engine, _ in engines]
+    settings = parse_settings(["--model", str(bundle_dir(MODEL)), "--served-model-name", MODEL,
+                               "--worker-urls", *urls, "--policy", "consistent_hashing"], {})
+    ask = body([{"role": "user", "content": "Say something."}])
+
+    def served_by(request_id: str) -> str:
+        where = [name for name, (_, record) in zip(("first", "second"), engines)
+                 if (record / f"{request_id}.npz").is_file()]
+        assert len(where) == 1, where
+        return where[0]
+
+    with gateway_in_thread(settings) as base, httpx.Client(base_url=base, timeout=120) as client:
+
+        def at(headers: dict[str, str]) -> str:
+            response = client.post("/v1/chat/completions", json=ask, headers=headers)
+            assert response.status_code == 200, response.text
+            return served_by(response.headers["X-Request-Id"])
+
+        assert [at({"X-SMG-Target-Worker": i}) for i in ("1", "0", "1")] == ["second", "first", "second"]
+        keyed = {at({"X-SMG-Routing-Key": "alice"}) for _ in range(4)}
+        assert len(keyed) == 1, keyed
+        missing = client.post("/v1/chat/completions", json=ask, headers={"X-SMG-Target-Worker": "2"})
+        assert (missing.status_code, missing.headers["X-SMG-Error-Code"]) == (503, "no_healthy_worker")

@@ -78,13 +78,15 @@ def engines() -> Iterator[dict[str, RunningEngine]]:
 
 @pytest.fixture(scope="module")
 def gateway(engines: dict[str, RunningEngine]) -> Iterator[str]:
-    with tempfile.TemporaryDirectory(prefix="mmgate-no-bundles-") as empty:
+    with tempfile.TemporaryDirectory(prefix="mmgate-no-bundles-") as empty, \
+            tempfile.TemporaryDirectory(prefix="mmgate-bundle-cache-") as cache:
         settings = parse_settings(["--worker-urls", *(f"grpc://{e.address}" for e in engines.values()),
-                                   "--model-path", empty], {})
+                                   "--model-path", empty, "--worker-bundle-cache-dir", cache], {})
         assert settings.model is None
         with gateway_in_thread(settings) as base:
             yield base
         assert list(Path(empty).iterdir()) == []  # nothing was written on the search path
+        assert len(list(Path(cache).iterdir())) == 2  # one <sha256> folder per model, fetched from its worker
 
 
 def _image_request(client: openai.OpenAI, model: str) -> Any:
@@ -136,7 +138,8 @@ async def _refusing_source(worker: Worker) -> Path:
 def test_a_worker_whose_bundle_cannot_be_had_is_shown_failed_and_gets_no_traffic(
         engines: dict[str, RunningEngine]) -> None:
     with tempfile.TemporaryDirectory(prefix="mmgate-no-bundles-") as empty:
-        settings = parse_settings(["--worker-urls", f"grpc://{engines[GEMMA].address}", "--model-path", empty], {})
+        settings = parse_settings(["--worker-urls", f"grpc://{engines[GEMMA].address}", "--model-path", empty,
+                                   "--worker-bundle-cache-dir", str(Path(empty, "never-written"))], {})
         with gateway_in_thread(settings, build_state(settings, bundles=_refusing_source)) as base:
             workers = httpx.get(base + "/workers", timeout=10).json()["workers"]
             assert [(w["model_id"], w["status"], w["reason"], w["healthy"]) for w in workers] == [

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -37,6 +38,7 @@ from mmgate.api.openai_responses import register_responses
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.gateway.state import GatewayState
 from mmgate.pipeline.runtime import ModelRuntime
+from mmgate.routing.policies.base import request_headers
 from mmgate.types import Modality
 
 log = logging.getLogger("mmgate.api")
@@ -49,6 +51,24 @@ def render_error(request: Request, exc: GatewayError, headers: dict[str, str] | 
     response = anthropic_error_response(exc, error_response) if is_anthropic_path(path) else error_response(exc)
     response.headers.update(headers or {})
     return response
+
+
+class RoutingHeaders:
+    """ASGI middleware: an HTTP request's headers become the routing headers of the work it starts
+    (:func:`mmgate.routing.policies.base.request_headers`), so a policy reads ``X-SMG-Routing-Key``,
+    ``X-SMG-Target-Worker`` and the other headers SMG's ``consistent_hashing`` keys on, whatever the endpoint.
+    Tasks the route starts copy the context, so the headers reach the worker selection."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        with request_headers(headers):
+            await self.app(scope, receive, send)
 
 
 def model_card(runtime: ModelRuntime, created: float) -> dict[str, object]:
@@ -75,6 +95,7 @@ def create_app(state: GatewayState) -> FastAPI:
             state.executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="mmgate", lifespan=lifespan)
+    app.add_middleware(RoutingHeaders)  # innermost: only requests the key guard let through
     app.add_middleware(KeyGuard, auth=state.settings.auth, render=render_error)  # keys first (docs/security.md)
     app.add_middleware(metrics.RequestTimer)  # mmgate_request_duration_seconds{endpoint,status}
     body_limit = body_limit_for(state.settings)
