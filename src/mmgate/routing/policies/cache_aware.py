@@ -36,7 +36,7 @@ import math
 from collections.abc import Sequence
 
 from mmgate.engines.loads import KvBatch
-from mmgate.routing.policies.base import RouteRequest, RoutingPolicy, W, least_loaded
+from mmgate.routing.policies.base import Candidate, RouteRequest, RoutingPolicy, W, least_loaded
 from mmgate.routing.policies.kv_index import WorkerKvIndex
 from mmgate.routing.policies.tree import PAGE_SIZE, ApproxTree
 
@@ -73,7 +73,7 @@ class CacheAwarePolicy(RoutingPolicy):
         ``min(balance_abs_threshold, max(4, 2 * sqrt(mean)))``."""
         return min(float(self.balance_abs_threshold), max(MIN_SPILL_MARGIN, 2.0 * math.sqrt(mean)))
 
-    def hot(self, worker: W, mean: float) -> bool:
+    def hot(self, worker: Candidate, mean: float) -> bool:
         """Whether ``worker`` trips the spill gate at a fleet mean of ``mean`` requests in flight (smg
         ``candidate_requires_spill``, with the 1.13 margin cap)."""
         load = worker.in_flight
