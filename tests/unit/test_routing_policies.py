@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from mmgate.config.settings import RoutingSettings
+from mmgate.config.settings import RoutingSettings, parse_settings
 from mmgate.engines.base import Capabilities, Probe, ProbeOutcome, Role, Wire
 from mmgate.engines.capabilities import worker_modalities
 from mmgate.engines.loads import KvBatch, KvBlock, KvCleared, KvRemoved, KvStored, WorkerLoad
@@ -119,15 +119,31 @@ def test_consistent_hashing_by_header_then_user_and_stable_when_another_worker_l
 
 
 def test_prefix_hash_sends_a_prefix_to_its_ring_worker_unless_it_is_overloaded() -> None:
-    policy = PrefixHashPolicy()  # 256 prefix values, load factor 1.25
+    policy = PrefixHashPolicy()  # smg 1.13 defaults: 256 prefix values, load factor 1.25, abs threshold 10
     p1 = key(*range(1, 21))  # ring key 07b171204bf3707a -> a
     p2 = key(*range(100, 120))  # ring key b4daa44a132574e5 -> b
     ws = fresh(A, B, C)
     assert [policy.select(ws, p).url for p in (p1, p2, p1)] == [A.url, B.url, A.url]
-    # A holds 5 of 6 in flight: bound (6 + 1) / 3 * 1.25 = 2.9 -> the least loaded under it, C.
-    busy = [W(A.url, 5), W(B.url, 1), W(C.url, 0)]
+    # mean = (total + 1) / 3; A overloaded only past max(mean * 1.25, mean + 10).
+    # A 5, B 1, C 0: mean 7/3 = 2.33, bound max(2.92, 12.33) = 12.33: 5 is under it (smg <= 1.9: 2.92, to C).
+    assert policy.select([W(A.url, 5), W(B.url, 1), W(C.url, 0)], p1).url == A.url
+    # A 16, B 1, C 0: mean 18/3 = 6, bound max(7.5, 16) = 16: 16 is not past it.
+    assert policy.select([W(A.url, 16), W(B.url, 1), W(C.url, 0)], p1).url == A.url
+    # A 17, B 1, C 0: mean 19/3 = 6.33, bound max(7.92, 16.33) = 16.33: overloaded -> the least loaded under it, C.
+    busy = [W(A.url, 17), W(B.url, 1), W(C.url, 0)]
     assert policy.select(busy, p1).url == C.url
     assert policy.select(busy, key()).url == C.url  # no key: least loaded
+
+
+def test_prefix_hash_abs_threshold_zero_is_the_relative_bound_alone() -> None:
+    policy = PrefixHashPolicy(balance_abs_threshold=0)
+    p1 = key(*range(1, 21))  # ring worker a
+    # A 5, B 1, C 0: mean 7/3 = 2.33, bound max(2.92, 2.33) = 2.92: overloaded -> C.
+    assert policy.select([W(A.url, 5), W(B.url, 1), W(C.url, 0)], p1).url == C.url
+    # A 3, B 3, C 3: mean 10/3 = 3.33, bound 4.17: every worker fits, the ring's A stays.
+    assert policy.select([W(A.url, 3), W(B.url, 3), W(C.url, 3)], p1).url == A.url
+    # Every worker overloaded cannot happen (the least loaded is at most the mean), so the ring's worker is
+    # kept only when it fits.
 
 
 def cache_aware(**kw: float) -> CacheAwarePolicy:
@@ -161,19 +177,62 @@ def test_cache_aware_follow_up_about_the_same_image_goes_back_and_another_image_
     assert policy.select(ws, different).url == B.url  # 4 / 20 < 0.3: least loaded, fewest chosen (A 2, B 1)
 
 
-def test_cache_aware_balance_thresholds_override_affinity() -> None:
-    policy = cache_aware()  # abs 64, rel 1.5
-    turn1 = image_prompt(SYSTEM, "aa11", [5, 6, 7, 8])
-    assert policy.select(fresh(A, B), turn1).url == A.url
-    follow = image_prompt(SYSTEM, "aa11", [5, 6, 7, 8, 9, 9, 9, 9])
-    assert policy.select([W(A.url, 64), W(B.url, 0)], follow).url == A.url  # 64 - 0 is not past 64
-    assert policy.select([W(A.url, 65), W(B.url, 0)], follow).url == B.url  # 65 > 64 and 65 > 0 * 1.5
-    relaxed = cache_aware()
-    relaxed.select(fresh(A, B), turn1)
-    assert relaxed.select([W(A.url, 100), W(B.url, 80)], follow).url == A.url  # 100 < 80 * 1.5: balanced
-    strict = cache_aware(balance_abs_threshold=1, balance_rel_threshold=1.1)
-    strict.select(fresh(A, B), turn1)
-    assert strict.select([W(A.url, 3), W(B.url, 1)], follow).url == B.url
+def held_by_a(**kw: float) -> tuple[CacheAwarePolicy, RouteRequest]:
+    """A cache_aware policy whose tree holds a first turn on A, and the follow-up (20 values, 16 on A)."""
+    policy = cache_aware(**kw)
+    assert policy.select(fresh(A, B, C), image_prompt(SYSTEM, "aa11", [5, 6, 7, 8])).url == A.url
+    return policy, image_prompt(SYSTEM, "aa11", [5, 6, 7, 8, 9, 9, 9, 9])
+
+
+def test_cache_aware_spill_gate_at_its_boundaries() -> None:
+    # hot: in flight > mean * 1.5 AND > mean + min(64, max(4, 2 * sqrt(mean))); mean over A, B, C.
+    policy, follow = held_by_a()
+    # A 6, B 0, C 0: mean 2, margin max(4, 2.83) = 4 (the floor): 6 > 3 but not > 6: A keeps it.
+    assert policy.select([W(A.url, 6), W(B.url, 0), W(C.url, 0)], follow).url == A.url
+    # A 7, B 0, C 0: mean 2.33, margin 4: 7 > 3.5 and 7 > 6.33: hot, spills to the least loaded, B
+    # (B and C at 0; B has been chosen as often as C, none, and comes first).
+    policy, follow = held_by_a()
+    assert policy.select([W(A.url, 7), W(B.url, 0), W(C.url, 0)], follow).url == B.url
+    # A 12, B 0, C 0: mean 4, margin 2 * sqrt(4) = 4: 12 > 6 and 12 > 8: hot -> B.
+    policy, follow = held_by_a()
+    assert policy.select([W(A.url, 12), W(B.url, 0), W(C.url, 0)], follow).url == B.url
+    # A 12, B 6, C 6: mean 8, margin 2 * sqrt(8) = 5.66: 12 is not > 8 * 1.5 = 12: the relative part holds A.
+    policy, follow = held_by_a()
+    assert policy.select([W(A.url, 12), W(B.url, 6), W(C.url, 6)], follow).url == A.url
+
+
+def test_cache_aware_spill_margin_is_capped_at_the_in_flight_swing() -> None:
+    # A 120, B 30, C 30: mean 60, margin min(64, 2 * sqrt(60) = 15.49) = 15.49: 120 > 90 and 120 > 75.49:
+    # hot -> B.  (Uncapped, as smg 1.10 to 1.12 read the flag: 120 is not > 60 + 64 = 124, A would keep it.)
+    policy, follow = held_by_a()
+    assert policy.select([W(A.url, 120), W(B.url, 30), W(C.url, 30)], follow).url == B.url
+    assert policy.spill_margin(60) == pytest.approx(15.4919, abs=1e-4)
+    # A flag under the floor wins: abs 2, A 5, B 0, C 0: mean 1.67, margin min(2, 4) = 2: 5 > 2.5 and 5 > 3.67.
+    policy, follow = held_by_a(balance_abs_threshold=2)
+    assert policy.select([W(A.url, 5), W(B.url, 0), W(C.url, 0)], follow).url == B.url
+    # The default's floor of 4 keeps it on A: 5 is not > 1.67 + 4 = 5.67.
+    policy, follow = held_by_a()
+    assert policy.select([W(A.url, 5), W(B.url, 0), W(C.url, 0)], follow).url == A.url
+
+
+def test_cache_aware_a_spill_target_becomes_another_holder_of_the_prefix() -> None:
+    policy, follow = held_by_a()
+    assert policy.select(fresh(A, B, C), follow).url == A.url  # 16 of 20 on A, A not hot
+    assert policy.select([W(A.url, 12), W(B.url, 0), W(C.url, 0)], follow).url == B.url  # spilled (above)
+    assert policy.tree.match(follow.key.values) == {A.url: 20, B.url: 20}
+    # A 12, B 3, C 0: mean 5, margin 2 * sqrt(5) = 4.47: A hot (12 > 7.5, 12 > 9.47), B not (3):
+    # B, the holder that is not hot, although C is less loaded.
+    assert policy.select([W(A.url, 12), W(B.url, 3), W(C.url, 0)], follow).url == B.url
+    # Both holders hot: A 20, B 20, C 0, D 0 (D a fresh worker): mean 10, margin 6.32: 20 > 15 and > 16.32;
+    # the least loaded worker that is not hot: C and D at 0, neither chosen before, C first.
+    d = W("grpc://d:1")
+    assert policy.select([W(A.url, 20), W(B.url, 20), W(C.url, 0), W(d.url, 0)], follow).url == C.url
+
+
+def test_cache_aware_a_miss_ignores_the_gate() -> None:
+    policy = cache_aware()
+    # Nothing matches: the least loaded worker, whatever the gate says of the others.
+    assert policy.select([W(A.url, 50), W(B.url, 2), W(C.url, 1)], key(*range(70, 86))).url == C.url
 
 
 def test_cache_aware_threshold_decides_between_affinity_and_load() -> None:
@@ -263,3 +322,46 @@ def test_pd_pairs_follow_the_prefill_and_decode_policies() -> None:
     follow = image_prompt(SYSTEM, "aa11", [5, 6, 7, 8, 10, 11, 12, 13, 14, 15, 16, 17])
     pairs = [select_pair(reg, frozenset({Modality.IMAGE}), request=r) for r in (first, other, follow)]
     assert [(p.url, d.url) for p, d in pairs] == [(p0, d0), (p1, d1), (p0, d0)]
+
+
+def test_least_load_skips_workers_at_the_waiting_cap_while_another_is_under_it() -> None:
+    policy = LeastLoadPolicy(max_waiting_requests=3)
+    ws = fresh(A, B)
+    # A: nothing queued in tokens but 2 waiting requests; B: 4000 uncached tokens queued, 0 waiting requests.
+    policy.update_loads(A.url, WorkerLoad(waiting=2, gen_throughput=2000.0))
+    policy.update_loads(B.url, WorkerLoad(waiting=0, waiting_uncached_tokens=4000, gen_throughput=2000.0))
+    prompt = key(*range(100))  # 100 tokens: 0.05 s each at 2000 tok/s
+    assert policy.select(ws, prompt).url == A.url  # A 2 + 0 < 3; A 0 s < B 2.0 s
+    assert policy.select(ws, prompt).url == B.url  # A 2 + 1 sent since its poll = 3: at the cap, skipped
+    policy.update_loads(A.url, WorkerLoad(waiting=2, gen_throughput=2000.0))  # a fresh answer resets the count
+    assert policy.select(ws, prompt).url == A.url
+    policy.update_loads(B.url, WorkerLoad(waiting=5, gen_throughput=2000.0))
+    # A at the cap again (2 + 1), B past it (5): every candidate capped, so all are scored: A holds the 100
+    # tokens sent since its poll (0.05 s), B nothing since its fresh answer (0 s): B.
+    assert policy.select(ws, prompt).url == B.url
+    assert LeastLoadPolicy().max_waiting_requests == 0  # off by default (smg 1.13)
+
+
+@pytest.mark.parametrize(("flags", "field", "value"), [
+    (["--eviction-interval-secs", "30"], "eviction_interval_s", 30.0),
+    (["--eviction-interval", "45"], "eviction_interval_s", 45.0),
+    (["--cache-match-threshold", "0.6"], "cache_threshold", 0.6),
+    (["--spill-abs-threshold", "8"], "balance_abs_threshold", 8),
+    (["--spill-rel-threshold", "1.2"], "balance_rel_threshold", 1.2),
+    (["--prefix-hash-balance-abs-threshold", "3"], "prefix_hash_balance_abs_threshold", 3),
+    (["--least-load-max-waiting-requests", "16"], "least_load_max_waiting_requests", 16),
+])
+def test_smg_1_13_routing_flags_and_aliases_parse(flags: list[str], field: str, value: float) -> None:
+    routing = parse_settings(["--model", "m", *flags], {}).routing
+    assert getattr(routing, field) == value
+
+
+def test_smg_1_13_routing_defaults() -> None:
+    routing = parse_settings(["--model", "m"], {}).routing
+    # smg 1.13.0 `smg launch --help`: --eviction-interval-secs 60, --prefix-hash-balance-abs-threshold 10,
+    # --least-load-max-waiting-requests 0, --balance-abs-threshold 64, --balance-rel-threshold 1.5, 0.3
+    assert (routing.eviction_interval_s, routing.prefix_hash_balance_abs_threshold,
+            routing.least_load_max_waiting_requests, routing.balance_abs_threshold, routing.balance_rel_threshold,
+            routing.cache_threshold) == (60.0, 10, 0, 64, 1.5, 0.3)
+    with pytest.raises(SystemExit):
+        parse_settings(["--model", "m", "--spill-rel-threshold", "0.9"], {})  # smg: at least 1.0

@@ -238,9 +238,9 @@ POLICIES = ("random", "round_robin", "least_load", "power_of_two", "consistent_h
 
 @dataclass(frozen=True, slots=True)
 class RoutingSettings:
-    """How workers are chosen (docs/routing.md).  Flag names and defaults are the Rust gateway's ``smg launch``
-    ones (lightseekorg/smg ``model_gateway/src/main.rs``, "Routing Policy" and "PD Disaggregation"); SMG's
-    GetLoads poll is a fixed 5 s there, a flag here.
+    """How workers are chosen (docs/routing.md).  Flag names, aliases and defaults are the Rust gateway's
+    ``smg launch`` ones as of smg 1.13.0 (PyPI; ``smg launch --help``, "Routing Policy"); SMG's GetLoads poll
+    is ``--load-monitor-interval`` there (10 s), ``--load-check-interval`` (5 s) here.
 
     ``prefill_policy`` / ``decode_policy``: the PD legs' policies (None: ``policy``).
     """
@@ -251,15 +251,17 @@ class RoutingSettings:
     cache_threshold: float = 0.3
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
-    eviction_interval_s: float = 120.0
+    eviction_interval_s: float = 60.0
     max_tree_size: int = 67108864
     block_size: int = 16
     prefix_token_count: int = 256
     prefix_hash_load_factor: float = 1.25
+    prefix_hash_balance_abs_threshold: int = 10
     load_check_interval_s: float = 5.0
     least_load_kv_pressure_weight: float = 0.15
     least_load_default_throughput: float = 2000.0
     least_load_mean_prefill_tokens: int = 1024
+    least_load_max_waiting_requests: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -655,24 +657,29 @@ def build_parser() -> argparse.ArgumentParser:
                help="the prefill leg's policy under --pd-disaggregation (unset: --policy)")
     add_option(g, "--decode-policy", choices=list(POLICIES), default=None,
                help="the decode leg's policy under --pd-disaggregation (unset: --policy)")
-    add_option(g, "--cache-threshold", type=float, default=r.cache_threshold, minimum=0,
-               help="cache_aware: the matched share of a request's key above which its best-matching worker is taken")
-    add_option(g, "--balance-abs-threshold", type=int, default=r.balance_abs_threshold, minimum=0,
-               help="cache_aware: requests in flight between busiest and idlest worker past which load wins "
-                    "over affinity (with --balance-rel-threshold)")
-    add_option(g, "--balance-rel-threshold", type=float, default=r.balance_rel_threshold, minimum=0,
-               help="cache_aware: busiest/idlest ratio of requests in flight past which load wins over affinity "
-                    "(with --balance-abs-threshold)")
-    add_option(g, "--eviction-interval", type=float, default=r.eviction_interval_s, minimum=0,
-               help="cache_aware: seconds between trims of the approximate tree (0: never)")
+    add_option(g, "--cache-threshold", "--cache-match-threshold", type=float, default=r.cache_threshold, minimum=0,
+               help="cache_aware: the matched share of a request's key above which the workers holding that match "
+                    "are its candidates")
+    add_option(g, "--balance-abs-threshold", "--spill-abs-threshold", type=int, default=r.balance_abs_threshold,
+               minimum=0, help="cache_aware spill gate: a matched worker is skipped when its requests in flight "
+                               "exceed the mean by this many (capped at max(4, 2 x sqrt(mean))) and by "
+                               "--balance-rel-threshold")
+    add_option(g, "--balance-rel-threshold", "--spill-rel-threshold", type=float, default=r.balance_rel_threshold,
+               minimum=1, help="cache_aware spill gate: ... and exceed this multiple of the mean")
+    add_option(g, "--eviction-interval-secs", "--eviction-interval", type=float, default=r.eviction_interval_s,
+               minimum=0, help="cache_aware: seconds between trims of the approximate tree (0: never)")
     add_option(g, "--max-tree-size", type=int, default=r.max_tree_size, minimum=1,
                help="cache_aware: key values (tokens) kept per worker in the approximate tree; older ones are evicted")
     add_option(g, "--block-size", type=int, default=r.block_size, minimum=1,
                help="cache_aware: tokens per page of the approximate tree (an engine caches whole blocks)")
     add_option(g, "--prefix-token-count", type=int, default=r.prefix_token_count, minimum=1,
                help="prefix_hash: leading key values hashed onto the ring")
-    add_option(g, "--prefix-hash-load-factor", type=float, default=r.prefix_hash_load_factor, minimum=0,
-               help="prefix_hash: the ring's worker is skipped past this multiple of the mean load")
+    add_option(g, "--prefix-hash-load-factor", type=float, default=r.prefix_hash_load_factor, minimum=1,
+               help="prefix_hash: the ring's worker is skipped past this multiple of the mean load (and past "
+                    "--prefix-hash-balance-abs-threshold)")
+    add_option(g, "--prefix-hash-balance-abs-threshold", type=int, default=r.prefix_hash_balance_abs_threshold,
+               minimum=0, help="prefix_hash: requests over the mean load the ring's worker must also exceed to be "
+                               "skipped")
     add_option(g, "--load-check-interval", type=float, default=r.load_check_interval_s, minimum=0.01,
                help="least_load, power_of_two: seconds between GetLoads polls of every worker")
     add_option(g, "--least-load-kv-pressure-weight", type=float, default=r.least_load_kv_pressure_weight, minimum=0,
@@ -681,6 +688,9 @@ def build_parser() -> argparse.ArgumentParser:
                minimum=0.001, help="least_load: tokens/s assumed for a worker that reports none")
     add_option(g, "--least-load-mean-prefill-tokens", type=int, default=r.least_load_mean_prefill_tokens,
                minimum=1, help="least_load: tokens counted per request in flight when a request's length is unknown")
+    add_option(g, "--least-load-max-waiting-requests", type=int, default=r.least_load_max_waiting_requests,
+               minimum=0, help="least_load: workers whose reported waiting requests plus those sent since their "
+                               "last poll reach this are skipped while another is under it (0: off)")
     g = p.add_argument_group("HTTP limits")
     add_option(g, "--max-request-body-bytes", type=int, default=0,
                help="413 request_too_large past this body size (0: largest per-item cap in base64 + 1 MiB)")
@@ -774,12 +784,15 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         routing=RoutingSettings(
             policy=ns.policy, prefill_policy=ns.prefill_policy, decode_policy=ns.decode_policy,
             cache_threshold=ns.cache_threshold, balance_abs_threshold=ns.balance_abs_threshold,
-            balance_rel_threshold=ns.balance_rel_threshold, eviction_interval_s=ns.eviction_interval,
+            balance_rel_threshold=ns.balance_rel_threshold, eviction_interval_s=ns.eviction_interval_secs,
             max_tree_size=ns.max_tree_size, block_size=ns.block_size, prefix_token_count=ns.prefix_token_count,
-            prefix_hash_load_factor=ns.prefix_hash_load_factor, load_check_interval_s=ns.load_check_interval,
+            prefix_hash_load_factor=ns.prefix_hash_load_factor,
+            prefix_hash_balance_abs_threshold=ns.prefix_hash_balance_abs_threshold,
+            load_check_interval_s=ns.load_check_interval,
             least_load_kv_pressure_weight=ns.least_load_kv_pressure_weight,
             least_load_default_throughput=ns.least_load_default_throughput,
-            least_load_mean_prefill_tokens=ns.least_load_mean_prefill_tokens),
+            least_load_mean_prefill_tokens=ns.least_load_mean_prefill_tokens,
+            least_load_max_waiting_requests=ns.least_load_max_waiting_requests),
         model_search_path=split_search_path(ns.model_path),
         served_model_name=ns.served_model_name,
         worker_urls=tuple(ns.worker_urls),

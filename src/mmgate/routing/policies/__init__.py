@@ -2,7 +2,7 @@
 chosen once from the settings (``--policy``, ``--prefill-policy``, ``--decode-policy``; docs/routing.md).
 
 Stage: select worker.  :func:`make_policy` builds a policy by name; :func:`policies_for` the one per role.
-The names and defaults are the Rust gateway's (lightseekorg/smg ``model_gateway/src/policies/``).
+The names and defaults are the Rust gateway's (smg 1.13.0; lightseekorg/smg ``model_gateway/src/policies/``).
 """
 
 from __future__ import annotations
@@ -33,13 +33,14 @@ def make_policy(name: str, routing: RoutingSettings) -> RoutingPolicy:
         return RoundRobinPolicy()
     if name == "least_load":
         return LeastLoadPolicy(routing.least_load_kv_pressure_weight, routing.least_load_default_throughput,
-                               routing.least_load_mean_prefill_tokens)
+                               routing.least_load_mean_prefill_tokens, routing.least_load_max_waiting_requests)
     if name == "power_of_two":
         return PowerOfTwoPolicy()
     if name == "consistent_hashing":
         return ConsistentHashingPolicy()
     if name == "prefix_hash":
-        return PrefixHashPolicy(routing.prefix_token_count, routing.prefix_hash_load_factor)
+        return PrefixHashPolicy(routing.prefix_token_count, routing.prefix_hash_load_factor,
+                                routing.prefix_hash_balance_abs_threshold)
     if name == "cache_aware":
         return CacheAwarePolicy(routing.cache_threshold, routing.balance_abs_threshold, routing.balance_rel_threshold,
                                 routing.max_tree_size, routing.block_size)

@@ -96,7 +96,7 @@ class RoutingPolicy(ABC):
         self.loads.pop(url, None)
 
     def evict(self) -> None:
-        """Periodic upkeep (``--eviction-interval``); nothing for most policies."""
+        """Periodic upkeep (``--eviction-interval-secs``); nothing for most policies."""
 
 
 def least_loaded(workers: Sequence[W], processed: Mapping[str, int] | None = None) -> W:

@@ -4,7 +4,7 @@ Stage: select worker (background).  Every ``--load-check-interval`` seconds each
 answer goes to the policies that want loads (``least_load``, ``power_of_two``; SMG's ``LoadMonitor``, a
 fixed 5 s there); each healthy worker's ``SubscribeKvEvents`` stream, where it has one, feeds the policies
 that follow KV events (``cache_aware``); a stream that ends or fails is retried at the next poll (a worker
-answering ``UNIMPLEMENTED`` is not asked again until it is seen unhealthy).  Every ``--eviction-interval``
+answering ``UNIMPLEMENTED`` is not asked again until it is seen unhealthy).  Every ``--eviction-interval-secs``
 seconds each policy's :meth:`~mmgate.routing.policies.base.RoutingPolicy.evict` runs.
 """
 
@@ -88,7 +88,7 @@ class PolicyMonitor:
             await asyncio.sleep(interval)
 
     def start(self) -> None:
-        """Start polling (now, then every ``--load-check-interval``) and evicting (every ``--eviction-interval``)."""
+        """Start polling (now, then every ``--load-check-interval``) and evicting (every ``--eviction-interval-secs``)."""
         self._tasks.append(asyncio.create_task(self._loop(self.routing.load_check_interval_s, self.poll_once)))
         if self.routing.eviction_interval_s > 0:
             async def evict_later() -> None:
