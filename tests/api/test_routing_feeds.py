@@ -107,7 +107,8 @@ def test_every_reference_servicer_answers_getloads_in_its_wires_shape() -> None:
     from mmgate.refengine.sglang_servicer import SglangServicer
     from mmgate.refengine.tokenspeed_servicer import TokenSpeedServicer
 
-    core = SimpleNamespace(counts=lambda: (5, 2))  # 5 requests active, 2 on a model thread
+    # 5 requests active, 2 on a model thread; the bundle folder its GetTokenizer would serve
+    core = SimpleNamespace(counts=lambda: (5, 2), loaded=SimpleNamespace(facts=SimpleNamespace(model_path=".")))
     config = SimpleNamespace(model_workers=2)
     for cls in (SglangServicer, TokenSpeedServicer):
         servicer = cls(config, core)  # type: ignore[arg-type]
