@@ -86,8 +86,10 @@ def one_image() -> dict:
 
 
 def configured(gw: Gateway, **changes: object) -> None:
-    """Change the running gateway's settings (the decision reads them per request)."""
+    """Change the running gateway's settings (the decision reads them per request, from the served model)."""
     gw.state.settings = dataclasses.replace(gw.state.settings, **changes)
+    for served in gw.state.models.values():
+        served.settings = gw.state.settings
 
 
 @pytest.fixture(autouse=True)
