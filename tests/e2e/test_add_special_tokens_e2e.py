@@ -80,7 +80,8 @@ def _reference(processor: Any, with_image: bool, setting: str) -> list[int]:
     return [int(i) for i in out["input_ids"][0]]
 
 
-def _send(client: openai.OpenAI, proxy: RecordingProxy, with_image: bool, extra: dict[str, Any]) -> tuple[int, list[int]]:
+def _send(client: openai.OpenAI, proxy: RecordingProxy, with_image: bool,
+          extra: dict[str, Any]) -> tuple[int, list[int]]:
     """(usage.prompt_tokens, the prompt ids the engine got) of one request."""
     parts: list[dict[str, Any]] = []
     if with_image:
