@@ -24,6 +24,7 @@ from PIL import Image
 from mmgate.cli.launch import start_engine, start_gateway
 from tests.conftest import bundle_dir
 from tests.corpus.stack import RecordingProxy
+from tests.support.special_tokens import SETTINGS, reference_ids
 
 BUNDLE = "llava-hf--llava-1.5-7b-hf"
 SERVED = "llava"
@@ -67,19 +68,6 @@ def processor() -> Any:
     return AutoProcessor.from_pretrained(str(bundle_dir(BUNDLE)))
 
 
-def _reference(processor: Any, with_image: bool, setting: str) -> list[int]:
-    images = [Image.open(io.BytesIO(IMAGE)).convert("RGB")] if with_image else None
-    parts: list[dict[str, Any]] = [{"type": "image"}] if with_image else []
-    messages = [{"role": "user", "content": [*parts, {"type": "text", "text": TEXT}]}]
-    if setting == "absent":
-        out = processor.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True,
-                                            images=images)
-        return [int(i) for i in np.asarray(out["input_ids"]).reshape(-1)]
-    rendered = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    out = processor(text=[rendered], images=images, add_special_tokens=setting == "true", return_tensors="np")
-    return [int(i) for i in out["input_ids"][0]]
-
-
 def _send(client: openai.OpenAI, proxy: RecordingProxy, with_image: bool,
           extra: dict[str, Any]) -> tuple[int, list[int]]:
     """(usage.prompt_tokens, the prompt ids the engine got) of one request."""
@@ -101,11 +89,9 @@ def _send(client: openai.OpenAI, proxy: RecordingProxy, with_image: bool,
 def test_prompt_tokens_follow_the_setting(stack: tuple[openai.OpenAI, RecordingProxy], processor: Any,
                                           with_image: bool) -> None:
     client, proxy = stack
-    got = {setting: _send(client, proxy, with_image, extra)
-           for setting, extra in (("absent", {}), ("false", {"add_special_tokens": False}),
-                                  ("true", {"add_special_tokens": True}))}
+    got = {setting: _send(client, proxy, with_image, extra) for setting, extra in SETTINGS.items()}
     for setting, (prompt_tokens, wire_ids) in got.items():
-        want = _reference(processor, with_image, setting)
+        want = reference_ids(processor, IMAGE if with_image else None, TEXT, setting)
         assert wire_ids == want, setting
         assert prompt_tokens == len(want), setting
     assert got["absent"][0] - got["false"][0] == 1  # exactly the BOS vLLM's chat server leaves out

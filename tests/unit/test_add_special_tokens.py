@@ -35,11 +35,11 @@ from mmgate.errors import GatewayError
 from mmgate.gateway.state import build_state
 from mmgate.request.parse import parse_chat_request
 from tests.conftest import bundle_dir
+from tests.support.special_tokens import SETTINGS, reference_ids
 
 BUNDLES = ["llava-hf/llava-1.5-7b-hf", "google/gemma-3-4b-it", "Qwen/Qwen2-VL-2B-Instruct"]
 #: tokens the field adds or removes against the reference's rule, per bundle: (false, true)
 DELTA = {"llava-hf/llava-1.5-7b-hf": (-1, 0), "google/gemma-3-4b-it": (0, 1), "Qwen/Qwen2-VL-2B-Instruct": (0, 0)}
-SETTINGS = {"absent": {}, "false": {"add_special_tokens": False}, "true": {"add_special_tokens": True}}
 
 
 def _png(width: int, height: int) -> bytes:
@@ -50,6 +50,7 @@ def _png(width: int, height: int) -> bytes:
 
 
 IMAGE = _png(64, 48)
+TEXT = "What is in this picture? Answer briefly."
 
 
 @pytest.fixture(scope="module", params=BUNDLES)
@@ -66,25 +67,8 @@ def _messages(with_image: bool) -> list[dict[str, Any]]:
     if with_image:
         parts.append({"type": "image_url",
                       "image_url": {"url": "data:image/png;base64," + base64.b64encode(IMAGE).decode()}})
-    parts.append({"type": "text", "text": "What is in this picture? Answer briefly."})
+    parts.append({"type": "text", "text": TEXT})
     return [{"role": "user", "content": parts}]
-
-
-def _hf_messages(with_image: bool) -> list[dict[str, Any]]:
-    parts: list[dict[str, Any]] = [{"type": "image"}] if with_image else []
-    return [{"role": "user", "content": [*parts, {"type": "text", "text": "What is in this picture? Answer briefly."}]}]
-
-
-def _reference(processor: Any, with_image: bool, setting: str) -> list[int]:
-    images = [Image.open(io.BytesIO(IMAGE)).convert("RGB")] if with_image else None
-    messages = _hf_messages(with_image)
-    if setting == "absent":
-        out = processor.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True,
-                                            images=images)
-        return [int(i) for i in np.asarray(out["input_ids"]).reshape(-1)]
-    rendered = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    out = processor(text=[rendered], images=images, add_special_tokens=setting == "true", return_tensors="np")
-    return [int(i) for i in out["input_ids"][0]]
 
 
 def _request(name: str, with_image: bool, setting: str) -> Any:
@@ -99,7 +83,7 @@ def test_prompt_ids_follow_the_reference_for_each_setting(bundle: tuple[str, Any
     name, state, processor = bundle
     req = _request(name, with_image, setting)
     prepared = asyncio.run(state.pipeline.prepare(req))
-    assert list(prepared.input_ids) == _reference(processor, with_image, setting)
+    assert list(prepared.input_ids) == reference_ids(processor, IMAGE if with_image else None, TEXT, setting)
     # what worker mode forwards with media references: the unexpanded ids, tokenized the same way
     # (absent: transformers ``apply_chat_template``'s rule, BOS unless the rendered text starts with it)
     _, prompt, ids, _ = state.pipeline.render_prompt(req, {})
