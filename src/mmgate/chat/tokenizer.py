@@ -10,7 +10,9 @@ built from ``vocab.json`` + ``merges.txt`` as
 then the ``added_tokens_decoder`` of ``tokenizer_config.json``.
 Encoding mirrors ``ProcessorMixin.apply_chat_template`` followed by the
 processor call: special tokens are added unless the prompt already starts
-with ``bos_token``.
+with ``bos_token``.  A request's ``add_special_tokens`` (vLLM's chat request
+field) overrides that rule: ``tokenizer.encode(prompt, add_special_tokens=...)``
+as vLLM's renderer calls it (:meth:`BundleTokenizer.adds_special_tokens`).
 """
 
 from __future__ import annotations
@@ -121,12 +123,22 @@ class BundleTokenizer:
         """The contents of every added token marked ``special`` (control, media and other reserved tokens)."""
         return [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special]
 
-    def encode_prompt(self, prompt: str) -> list[int]:
-        """Token ids of a rendered chat prompt, as the processor computes them."""
-        add_special = not (self.bos_token is not None and prompt.startswith(self.bos_token))
-        return _encode(self.tokenizer, prompt, add_special)
+    def adds_special_tokens(self, prompt: str, add_special_tokens: bool | None = None) -> bool:
+        """Whether the tokenizer's post-processor (BOS/EOS) runs on ``prompt``: ``add_special_tokens``
+        when given (the request field, vLLM's meaning), else the reference's rule: unless ``prompt``
+        already starts with ``bos_token`` (transformers 5.24 ``ProcessorMixin.apply_chat_template``
+        with ``tokenize=True``)."""
+        if add_special_tokens is not None:
+            return add_special_tokens
+        return not (self.bos_token is not None and prompt.startswith(self.bos_token))
 
-    def encode_segments(self, segments: Sequence[tuple[str, bool]], reserved_ids: frozenset[int]) -> list[int]:
+    def encode_prompt(self, prompt: str, add_special_tokens: bool | None = None) -> list[int]:
+        """Token ids of a rendered chat prompt, as the processor computes them (special tokens as
+        :meth:`adds_special_tokens` says)."""
+        return _encode(self.tokenizer, prompt, self.adds_special_tokens(prompt, add_special_tokens))
+
+    def encode_segments(self, segments: Sequence[tuple[str, bool]], reserved_ids: frozenset[int],
+                        add_special_tokens: bool | None = None) -> list[int]:
         """Token ids of a prompt given as ``(text, typed)`` pieces (:meth:`Sanitized.segments
         <mmgate.chat.integrity.Sanitized.segments>`): template pieces as :meth:`encode_prompt`,
         typed pieces as plain text (special-token matching off).  One template piece is exactly
@@ -139,14 +151,15 @@ class BundleTokenizer:
         tokenizes the same either way).  Tokenizing the pieces one by one would differ wherever
         the tokenizer joins or prefixes across a cut (SentencePiece tokenizers prepend ``▁`` to
         every piece they are given: LLaVA's Llama and Mistral tokenizers).  BOS/EOS are added
-        once, around the whole, unless the prompt starts with ``bos_token``.
+        once, around the whole, as :meth:`adds_special_tokens` says: by default unless the prompt
+        starts with ``bos_token``; ``add_special_tokens`` (the request field) true: always, false: never.
 
         Raises:
             GatewayError(RESERVED_TOKEN_IN_TEXT): a typed stretch still tokenizes to an id in
                 ``reserved_ids`` (a reserved token that is not a special added token).
         """
         if len(segments) == 1 and not segments[0][1]:
-            return self.encode_prompt(segments[0][0])
+            return self.encode_prompt(segments[0][0], add_special_tokens)
         plain = self._plain_tokenizer()
         pieces: list[Encoding] = []
         stretch: list[str] = []
@@ -187,8 +200,7 @@ class BundleTokenizer:
                 stretch.append(text[last:])
         flush()
         merged = Encoding.merge(pieces, growing_offsets=True)
-        opening = segments[0][0]
-        if not (self.bos_token is not None and opening.startswith(self.bos_token)):
+        if self.adds_special_tokens(segments[0][0] if segments else "", add_special_tokens):
             merged = self.tokenizer.post_process(merged, add_special_tokens=True)  # BOS/EOS once, around the whole
         return list(merged.ids)
 

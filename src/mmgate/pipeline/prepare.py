@@ -228,7 +228,8 @@ class Pipeline:
         runtime = self.runtime
         plan, prompt, ids, segments = await self.render_prompt_async(req, timings)
         self._sampling(req, len(ids))  # refuse an over-long prompt before fetching anything
-        ids, batches, plans = await self.process_media(ids, plan, timings, choose_worker, defer_pixels, segments)
+        ids, batches, plans = await self.process_media(ids, plan, timings, choose_worker, defer_pixels, segments,
+                                                       req.add_special_tokens)
         return PreparedRequest(
             request_id=request_id or f"chatcmpl-{uuid.uuid4().hex}", model=runtime.served_name, prompt_text=prompt,
             input_ids=tuple(ids), batches=batches, sampling=self._sampling(req, len(ids)), stream=req.stream,
@@ -285,12 +286,13 @@ class Pipeline:
                 # holding the encoding of the whole text.
                 raise GatewayError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                                    f"the prompt is longer than the model's context of {limit} tokens", "messages")
-            ids = runtime.tokenizer.encode_segments(segments, runtime.reserved_ids)
+            ids = runtime.tokenizer.encode_segments(segments, runtime.reserved_ids, req.add_special_tokens)
         return Rendered(plan, prompt, ids, tuple(segments))
 
     async def process_media(self, ids: list[int], plan: RequestPlan, timings: dict[str, float],
                             choose_worker: Callable[[frozenset[Modality], RoutingKey], bool] | None = None,
                             defer_pixels: bool = False, segments: Sequence[tuple[str, bool]] | None = None,
+                            add_special_tokens: bool | None = None,
                             ) -> tuple[list[int], tuple[EncoderBatch, ...], tuple[ItemPlan, ...]]:
         """Prompt ids with one anchor per item + the plan's media -> expanded ids, encoder batches, plans.
 
@@ -301,7 +303,8 @@ class Pipeline:
 
         ``segments``: the rendered prompt as tokenized (:meth:`render_prompt`); a family whose
         prompt updates are text-level (Gemma 3) needs it: each anchor's text is replaced and the
-        prompt tokenized again, as the reference processor does.
+        prompt tokenized again, as the reference processor does, with the request's
+        ``add_special_tokens`` as :meth:`render_prompt` tokenized it.
 
         In the gateway (``choose_worker`` given: the tensors then travel to an engine), a request
         whose planned encoder tensors exceed what the transport carries
@@ -365,7 +368,7 @@ class Pipeline:
                     made[Modality.IMAGE] = (image_batch, image_hashes)
                 if videos and video_proc is not None:
                     made[Modality.VIDEO] = (video_batch, video_hashes)
-                ids, ranges = self._expand(ids, reps, procs, segments)
+                ids, ranges = self._expand(ids, reps, procs, segments, add_special_tokens)
                 batches = tuple(_with_items(*made[m], ranges[m])
                                 for m in dict.fromkeys(r.modality for r in plan.media) if m in made)
                 item_plans = {Modality.IMAGE: iter(image_plans), Modality.VIDEO: iter(p.item for p in video_plans)}
@@ -377,8 +380,8 @@ class Pipeline:
         return ids, batches, plans
 
     def _expand(self, ids: list[int], reps: Mapping[Modality, Sequence[Replacement]],
-                procs: Mapping[Modality, ImageProcessor | VideoProcessor],
-                segments: Sequence[tuple[str, bool]] | None) -> tuple[list[int], dict[Modality, list[PlaceholderRange]]]:
+                procs: Mapping[Modality, ImageProcessor | VideoProcessor], segments: Sequence[tuple[str, bool]] | None,
+                add_special_tokens: bool | None = None) -> tuple[list[int], dict[Modality, list[PlaceholderRange]]]:
         """Every anchor replaced by its item's prompt update: text-level updates first (the prompt
         text re-tokenized with the replacements in place, :func:`mmgate.pipeline.planning.splice_text`),
         then token-level ones (:func:`mmgate.pipeline.planning.splice_all`).
@@ -398,7 +401,8 @@ class Pipeline:
             tokenizer = self.runtime.tokenizer
             anchors = {tokenizer.decode([procs[m].anchor_token_id], skip_special_tokens=False): [
                 r.text or "" for r in texts[m]] for m in texts}
-            ids = tokenizer.encode_segments(splice_text(segments, anchors), self.runtime.reserved_ids)
+            ids = tokenizer.encode_segments(splice_text(segments, anchors), self.runtime.reserved_ids,
+                                            add_special_tokens)
             for m, items in texts.items():
                 ranges[m] = locate_text_items(ids, procs[m].placeholder_token_id, items)
         tokens = {procs[m].anchor_token_id: r for m, r in reps.items() if m not in texts}

@@ -192,6 +192,13 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=T
     ignore_eos: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    #: vLLM's chat request field (``vllm/entrypoints/openai/chat_completion/protocol.py``
+    #: ``ChatCompletionRequest.add_special_tokens``, passed to ``tokenizer.encode`` by its renderer):
+    #: true, the tokenizer's post-processor adds its special tokens (BOS) to the rendered prompt, even
+    #: one that starts with BOS; false, none are added.  Absent (or null): the reference's rule,
+    #: transformers ``apply_chat_template(tokenize=True)``: BOS unless the template wrote it.  vLLM's
+    #: own default is false (docs/parity.md "BOS and special tokens").
+    add_special_tokens: bool | None = None
     #: per-request processor options, as vLLM's request field (e.g. Gemma 3 ``do_pan_and_scan``):
     #: scalar values only; which names a model takes is its family's (refused otherwise)
     mm_processor_kwargs: dict[str, bool | int | float | str] | None = None
