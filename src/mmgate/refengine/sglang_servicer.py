@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import time
-from datetime import UTC, datetime
 from collections.abc import Iterator
 from typing import Any
 
@@ -62,6 +61,7 @@ from mmgate.refengine.wire_base import (
     ENGINE_VERSION,
     TRANSFER_BACKEND,
     advertised_host,
+    scheduler_loads,
     serve_generate,
 )
 from mmgate.types import Modality
@@ -127,13 +127,8 @@ class SglangServicer(ServesTokenizer, sglang_scheduler_pb2_grpc.SglangSchedulerS
         self._core.shutdown()
 
     def GetLoads(self, request: pb.GetLoadsRequest, context: grpc.ServicerContext) -> pb.GetLoadsResponse:
-        """One DP rank's core load (the SGLang ``GetLoads`` shape): requests running on a model thread,
-        waiting for one, in all."""
-        active, running = self._core.counts()
-        load = pb.SchedulerLoad(dp_rank=0, num_running_reqs=running, num_waiting_reqs=max(active - running, 0),
-                                num_total_reqs=active, max_running_requests=self._config.model_workers)
-        return pb.GetLoadsResponse(timestamp=datetime.now(UTC).isoformat(), version="mmgate-refengine",
-                                   dp_rank_count=1, loads=[load])
+        """The SGLang ``GetLoads`` shape (:func:`~mmgate.refengine.wire_base.scheduler_loads`)."""
+        return scheduler_loads(pb, self._core, self._config.model_workers)
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         def writer(run: Run) -> SglangWriter:

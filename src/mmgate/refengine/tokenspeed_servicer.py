@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import time
-from datetime import UTC, datetime
 from collections.abc import Iterator
 from typing import Any
 
@@ -67,6 +66,7 @@ from mmgate.refengine.wire_base import (
     ENGINE_VERSION,
     TRANSFER_BACKEND,
     refuse,
+    scheduler_loads,
     serve_generate,
 )
 from mmgate.transport.shm import shm_namespace_id
@@ -94,13 +94,8 @@ class TokenSpeedServicer(ServesTokenizer, tokenspeed_scheduler_pb2_grpc.TokenSpe
         self._core.shutdown()
 
     def GetLoads(self, request: pb.GetLoadsRequest, context: grpc.ServicerContext) -> pb.GetLoadsResponse:
-        """One DP rank's core load (the TokenSpeed ``GetLoads`` shape): requests running on a model thread,
-        waiting for one, in all."""
-        active, running = self._core.counts()
-        load = pb.SchedulerLoad(dp_rank=0, num_running_reqs=running, num_waiting_reqs=max(active - running, 0),
-                                num_total_reqs=active, max_running_requests=self._config.model_workers)
-        return pb.GetLoadsResponse(timestamp=datetime.now(UTC).isoformat(), version="mmgate-refengine",
-                                   dp_rank_count=1, loads=[load])
+        """The TokenSpeed ``GetLoads`` shape (:func:`~mmgate.refengine.wire_base.scheduler_loads`)."""
+        return scheduler_loads(pb, self._core, self._config.model_workers)
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         if self._config.role is Role.ENCODE:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from datetime import UTC, datetime
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -93,3 +94,14 @@ def advertised_host(host: str) -> str:
 
         return socket.gethostname()
     return host
+
+
+def scheduler_loads(pb: Any, core: EngineCore, max_running: int) -> Any:
+    """The SGLang / TokenSpeed ``GetLoadsResponse`` (their protos share its shape; ``pb`` is the wire's
+    ``*_scheduler_pb2`` module): one DP rank's core load, requests running on a model thread, waiting for one,
+    in all (``smg-grpc-servicer`` 0.14.1 ``sglang/servicer.py`` / ``tokenspeed/servicer.py`` ``GetLoads``)."""
+    active, running = core.counts()
+    load = pb.SchedulerLoad(dp_rank=0, num_running_reqs=running, num_waiting_reqs=max(active - running, 0),
+                            num_total_reqs=active, max_running_requests=max_running)
+    return pb.GetLoadsResponse(timestamp=datetime.now(UTC).isoformat(), version="mmgate-refengine",
+                               dp_rank_count=1, loads=[load])
