@@ -116,6 +116,8 @@ class Stack:
                 decode_options["record_dir"] = self.record_dir(model, wire, Role.DECODE)
             decode = self.engine(model, wire, Role.DECODE, **decode_options)
             port_arg = [str(prefill.bootstrap_port)] if wire is Wire.SGLANG else []
+            if wire is Wire.SGLANG:  # Qwen-VL images on SGLang need the opt-in (docs/engines-sglang.md, "M-RoPE positions")
+                port_arg.append("--sglang-allow-mrope-media")
             child = start_gateway(str(bundle_dir(model)), [], extra=[
                 "--served-model-name", model, "--pd-disaggregation", "--mm-allow-private-media-hosts",
                 "--prefill", f"grpc://127.0.0.1:{prefill.port}", *port_arg,
