@@ -99,8 +99,10 @@ class Stack:
         key = (model, "single", wire)
         if key not in self.gateways:
             engine = self.engine(model, wire)
+            # Qwen-VL images on SGLang need the opt-in (docs/engines-sglang.md, "M-RoPE positions")
+            opt_in = ["--sglang-allow-mrope-media"] if wire is Wire.SGLANG else []
             self.gateways[key] = start_gateway(str(bundle_dir(model)), [engine.port],
-                                               extra=["--served-model-name", model])
+                                               extra=["--served-model-name", model, *opt_in])
         return self.gateways[key]
 
     def pd(self, model: str, wire: Wire, *, lm_only: bool = False, record: bool = False,
