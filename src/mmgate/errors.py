@@ -36,6 +36,8 @@ class ErrorCode(StrEnum):
     WORKER_NOT_FOUND = "worker_not_found"  # admin API: no registered worker has this id
     WORKER_EXISTS = "worker_exists"  # admin API: a worker with this URL is registered already
     MULTIMODAL_NOT_SUPPORTED = "multimodal_not_supported"
+    # media for an M-RoPE model whose only workers lose its media positions (SGLang wire; docs/engines-sglang.md)
+    MROPE_MEDIA_NOT_SUPPORTED = "mrope_media_not_supported"
     MEDIA_COUNT_MISMATCH = "media_count_mismatch"
     MM_ITEM_LIMIT_EXCEEDED = "mm_item_limit_exceeded"
     UNSUPPORTED_MEDIA_URL_SCHEME = "unsupported_media_url_scheme"
@@ -92,6 +94,7 @@ ERROR_TABLE: dict[ErrorCode, ErrorSpec] = {
     ErrorCode.WORKER_NOT_FOUND: ErrorSpec(404, False, _INVALID),
     ErrorCode.WORKER_EXISTS: ErrorSpec(409, False, _INVALID),
     ErrorCode.MULTIMODAL_NOT_SUPPORTED: ErrorSpec(400, False, _INVALID),
+    ErrorCode.MROPE_MEDIA_NOT_SUPPORTED: ErrorSpec(400, False, _INVALID),
     ErrorCode.PD_DECODE_LANGUAGE_MODEL_ONLY_MROPE: ErrorSpec(400, False, _INVALID),
     ErrorCode.PD_DECODE_LANGUAGE_MODEL_ONLY_MEDIA_REFS: ErrorSpec(400, False, _INVALID),
     ErrorCode.PD_DECODE_LANGUAGE_MODEL_ONLY_N_SAMPLES: ErrorSpec(400, False, _INVALID),

@@ -83,8 +83,11 @@ def wait_labels(base: str, want: dict[str, str], timeout_s: float = 10.0) -> Non
 
 
 def settings(*urls: str) -> Settings:
+    """Qwen2.5-VL positions media with M-RoPE, which SGLang workers lose: the SGLang gateways here opt in
+    (``--sglang-allow-mrope-media``), since this file is about the matrix's wire x kind axis
+    (tests/api/test_sglang_mrope.py has the positions axis)."""
     return Settings(model=str(bundle_dir(MODEL)), worker_urls=urls, fetch=FetchSettings(allow_private_hosts=True),
-                    worker_health_interval_s=0.2)
+                    worker_health_interval_s=0.2, sglang_allow_mrope_media=True)
 
 
 class Stack:

@@ -158,6 +158,8 @@ class FaultStack:
                 extra += ["--encode", f"grpc://127.0.0.1:{encode.grpc.port}", str(encode.boot.port)]
             if shm:
                 extra += ["--multimodal-tensor-transport", "shm", "--multimodal-shm-min-bytes", "0"]
+            if wire is Wire.SGLANG:  # Qwen-VL images on SGLang need the opt-in (docs/engines-sglang.md, "M-RoPE positions")
+                extra.append("--sglang-allow-mrope-media")
             self.gateway = start_gateway(str(bundle_dir(model)), [], extra=extra, log_dir=log_dir)
             self.wait_healthy()
         except BaseException:

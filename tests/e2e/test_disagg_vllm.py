@@ -99,8 +99,10 @@ class Stack:
         key = (model, "single", wire)
         if key not in self.gateways:
             engine = self.engine(model, wire)
+            # Qwen-VL images on SGLang need the opt-in (docs/engines-sglang.md, "M-RoPE positions")
+            opt_in = ["--sglang-allow-mrope-media"] if wire is Wire.SGLANG else []
             self.gateways[key] = start_gateway(str(bundle_dir(model)), [engine.port],
-                                               extra=["--served-model-name", model])
+                                               extra=["--served-model-name", model, *opt_in])
         return self.gateways[key]
 
     def pd(self, model: str, wire: Wire, *, lm_only: bool = False, record: bool = False,
@@ -116,6 +118,8 @@ class Stack:
                 decode_options["record_dir"] = self.record_dir(model, wire, Role.DECODE)
             decode = self.engine(model, wire, Role.DECODE, **decode_options)
             port_arg = [str(prefill.bootstrap_port)] if wire is Wire.SGLANG else []
+            if wire is Wire.SGLANG:  # Qwen-VL images on SGLang need the opt-in (docs/engines-sglang.md, "M-RoPE positions")
+                port_arg.append("--sglang-allow-mrope-media")
             child = start_gateway(str(bundle_dir(model)), [], extra=[
                 "--served-model-name", model, "--pd-disaggregation", "--mm-allow-private-media-hosts",
                 "--prefill", f"grpc://127.0.0.1:{prefill.port}", *port_arg,

@@ -94,6 +94,8 @@ class Stack:
             decode = self.engine(model, wire, Role.DECODE)
             # SGLang: the bootstrap port on the command line; TokenSpeed: the one the worker reports
             port_arg = [str(prefill.bootstrap_port)] if wire is Wire.SGLANG else []
+            if wire is Wire.SGLANG:  # Qwen-VL images on SGLang need the opt-in (docs/engines-sglang.md, "M-RoPE positions")
+                port_arg.append("--sglang-allow-mrope-media")
             decodes = [f"grpc://127.0.0.1:{p}" for p in (decode_ports or (decode.port,))]
             extra = ["--served-model-name", model, "--pd-disaggregation",
                      "--prefill", f"grpc://127.0.0.1:{prefill.port}", *port_arg]

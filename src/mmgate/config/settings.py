@@ -454,6 +454,9 @@ class Settings:
     constraints: ConstraintLimits = field(default_factory=ConstraintLimits)  # structured outputs and tools
     mm_processing: MmProcessing = MmProcessing.AUTO
     mm_processing_models: tuple[str, ...] | None = None  # opted in to worker-side processing; None: every model
+    #: ``--sglang-allow-mrope-media``: send media of M-RoPE models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) to SGLang
+    #: workers although they position it as text (docs/engines-sglang.md); off: refused before any fetch
+    sglang_allow_mrope_media: bool = False
     preprocess_threads: int = 0  # 0: os.cpu_count()
     max_request_body_bytes: int = 0  # 0: derived from the per-item byte caps (api.app.body_limit_for)
     log_level: str = "info"
@@ -608,6 +611,10 @@ def build_parser() -> argparse.ArgumentParser:
                help="where media is processed: router, worker, or auto (worker when every worker of the model can)")
     add_option(g, "--mm-processing-models", nargs="*", default=None, metavar="MODEL",
                help="models opted in to worker-side processing (served or bundle name); unset: every model")
+    add_option(g, "--sglang-allow-mrope-media", action="store_true", default=False,
+               help="send images of M-RoPE models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) to SGLang workers anyway; they "
+                    "position them as text (docs/engines-sglang.md). Off: such requests get 400 "
+                    "mrope_media_not_supported before any fetch")
     add_option(g, "--preprocess-threads", type=int, default=0, minimum=0,
                help="threads preprocessing media in the gateway (0: os.cpu_count(); with --workers N: ceil(cores / N) per process)")
     g = p.add_argument_group("workers")
@@ -812,6 +819,7 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         constraints=constraints,
         mm_processing=MmProcessing(ns.mm_processing),
         mm_processing_models=None if ns.mm_processing_models is None else tuple(ns.mm_processing_models),
+        sglang_allow_mrope_media=bool(ns.sglang_allow_mrope_media),
         preprocess_threads=ns.preprocess_threads,
         max_request_body_bytes=max(0, ns.max_request_body_bytes),
         log_level=ns.log_level,

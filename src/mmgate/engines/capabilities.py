@@ -35,11 +35,37 @@ A worker takes a modality when its wire's row has it and the model it serves doe
 (``supports_vision`` for images and video; TokenSpeed's ``supported_modalities`` when reported).
 "Image embeds" is vLLM's ``image_embeds`` content part: no wire carries it, so it is always
 refused.
+
+The matrix's second axis is how the model positions media (:class:`Positions`, asked of the model's
+family: ``Family.mrope``).  :data:`POSITIONS` says which schemes a wire's engine positions correctly
+from the gateway's preprocessed tensors:
+
+============  ====  ======
+wire          rope  mrope
+============  ====  ======
+vllm          yes   yes
+sglang        yes   **no**
+tokenspeed    yes   yes
+============  ====  ======
+
+* **sglang** loses M-RoPE positions (read in SGLang 0.5.23's wheel and smg-grpc-servicer 0.14.1;
+  docs/engines-sglang.md has the lines): ``_parse_mm_inputs`` builds a ``MultimodalProcessorOutput``
+  without ``mrope_positions``; the scheduler (``Scheduler._handle_generate_request``) pads the image
+  runs with the items' hash values (``pad_input_ids`` -> ``mm_utils.pad_mm_tokens``) and only then
+  ``_maybe_compute_mrope_positions`` runs ``QwenVLImageProcessor.compute_mrope_positions`` on the
+  *padded* ids, where ``get_rope_index`` finds no image token after ``<|vision_start|>``: text-only
+  positions, delta 0.  The wire has no positions field, so the gateway cannot send them.  Media of an
+  M-RoPE model is therefore not taken by an SGLang worker unless ``--sglang-allow-mrope-media``.
+* **vllm** computes M-RoPE positions in its model runner from the prompt and the batch's
+  ``image_grid_thw`` / ``video_grid_thw`` (``get_mrope_input_positions``), which the wire carries.
+  **tokenspeed** carries the grids per item (``model_specific_tensors``); its scheduler was not read for
+  this, and it stays as it was: taken.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from enum import StrEnum
 
 from mmgate.engines.base import Capabilities, Wire
@@ -61,6 +87,44 @@ MATRIX: dict[Wire, frozenset[MediaKind]] = {
     Wire.SGLANG: frozenset({MediaKind.IMAGE}),
     Wire.TOKENSPEED: frozenset({MediaKind.IMAGE, MediaKind.VIDEO, MediaKind.AUDIO}),
 }
+
+class Positions(StrEnum):
+    """How a model positions its media tokens: the matrix's second axis (asked of the family)."""
+
+    ROPE = "rope"  # one position per token, counted from the ids (LLaVA, Gemma 3, ...)
+    MROPE = "mrope"  # 3-D (t, h, w) positions from each item's grid (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)
+
+
+#: wire -> the position schemes its engine computes correctly from preprocessed tensors (module docstring)
+POSITIONS: dict[Wire, frozenset[Positions]] = {
+    Wire.VLLM: frozenset({Positions.ROPE, Positions.MROPE}),
+    Wire.SGLANG: frozenset({Positions.ROPE}),
+    Wire.TOKENSPEED: frozenset({Positions.ROPE, Positions.MROPE}),
+}
+
+
+def positions_kept(wire: Wire, positions: Positions, *, sglang_allow_mrope_media: bool = False) -> bool:
+    """Whether a ``wire`` worker positions media of a ``positions`` model as the model expects.
+
+    ``sglang_allow_mrope_media`` (``--sglang-allow-mrope-media``): count SGLang as keeping M-RoPE positions,
+    i.e. send such media anyway, knowing it is positioned as text there.
+    """
+    if wire is Wire.SGLANG and positions is Positions.MROPE and sglang_allow_mrope_media:
+        return True
+    return positions in POSITIONS[wire]
+
+
+@dataclass(frozen=True, slots=True)
+class MediaPositions:
+    """What a served model asks of a worker that takes its media: its scheme and the SGLang opt-in."""
+
+    positions: Positions = Positions.ROPE
+    sglang_allow_mrope_media: bool = False  # --sglang-allow-mrope-media
+
+    def kept(self, wire: Wire) -> bool:
+        """Whether a ``wire`` worker may take this model's media (:func:`positions_kept`)."""
+        return positions_kept(wire, self.positions, sglang_allow_mrope_media=self.sglang_allow_mrope_media)
+
 
 #: the pipeline's modality of a kind; a kind without one (embeddings) has no pipeline stage at all
 KIND_MODALITY: dict[MediaKind, Modality] = {

@@ -168,6 +168,10 @@ class Family(Protocol):
     model_types: tuple[str, ...]
     #: items per request, per modality it takes
     limits: Mapping[Modality, int]
+    #: whether its language model positions media with M-RoPE (3-D positions from each item's grid), so an
+    #: engine must see the grids and the media tokens together to position them (Qwen2-VL, Qwen2.5-VL,
+    #: Qwen3-VL); False: plain 1-D positions, one per token
+    mrope: bool
 
     @property
     def fingerprint(self) -> str:
@@ -201,6 +205,7 @@ class ImageOnlyFamily(Generic[P]):
 
     model_types: tuple[str, ...] = ()
     limits: Mapping[Modality, int] = {}
+    mrope = False  # LLaVA-1.5, LLaVA-NeXT and Gemma 3 position every token 1-D
 
     def __init__(self, images: P, limit: int, reserved: tuple[str, ...]) -> None:
         self._images = images

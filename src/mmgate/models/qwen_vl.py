@@ -253,6 +253,9 @@ class QwenVLFamily:
 
     model_types = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
     limits: Mapping[Modality, int] = {Modality.IMAGE: 16, Modality.VIDEO: 4}
+    #: the three configs' ``rope_scaling`` / ``rope_parameters`` carry ``mrope_section`` (transformers 5.24
+    #: ``Qwen2VLModel.get_rope_index`` and its Qwen2.5 / Qwen3 copies)
+    mrope = True
     image_token = "<|image_pad|>"
     video_tokens = ("<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
 

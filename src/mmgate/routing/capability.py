@@ -11,6 +11,11 @@ planning, which refuses it with its own message (``mmgate.pipeline.planning``); 
 taken by some registered worker: its wire's row of the matrix and its model
 (:meth:`mmgate.routing.workers.WorkerRegistry.check_kinds`).  Image embeds have no pipeline stage
 and no wire carries them: they are always refused here, so planning never sees them.
+
+The matrix's second axis is asked of the family (:func:`media_positions`): media of an M-RoPE family
+(``Family.mrope``: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) is not taken by an SGLang worker, which would
+position it as text (``mrope_media_not_supported``, 400; docs/engines-sglang.md), unless
+``--sglang-allow-mrope-media``.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from mmgate.request.protocol import (
     ImagePart,
     VideoPart,
 )
-from mmgate.engines.capabilities import KIND_MODALITY, MediaKind
+from mmgate.engines.capabilities import KIND_MODALITY, MediaKind, MediaPositions, Positions
 
 if TYPE_CHECKING:
     from mmgate.routing.context import DispatchContext
@@ -46,11 +51,21 @@ def media_kinds(req: ChatCompletionRequest) -> dict[MediaKind, str]:
     return kinds
 
 
+def media_positions(state: DispatchContext) -> MediaPositions:
+    """How the served model positions media, asked of its family (``Family.mrope``; no family: text only, 1-D),
+    with ``--sglang-allow-mrope-media``."""
+    family = state.runtime.family
+    mrope = family is not None and family.mrope
+    return MediaPositions(Positions.MROPE if mrope else Positions.ROPE,
+                          sglang_allow_mrope_media=state.settings.sglang_allow_mrope_media)
+
+
 def check_capable(state: DispatchContext, req: ChatCompletionRequest) -> None:
     """See the module docstring.
 
     Raises:
         GatewayError(MULTIMODAL_NOT_SUPPORTED): a kind of media no registered worker takes.
+        GatewayError(MROPE_MEDIA_NOT_SUPPORTED): media of an M-RoPE family whose only takers are SGLang workers.
     """
     kinds = media_kinds(req)
     if not kinds:
@@ -59,4 +74,4 @@ def check_capable(state: DispatchContext, req: ChatCompletionRequest) -> None:
     limits = family.limits if family is not None else {}
     checked = {kind: param for kind, param in kinds.items()
                if kind not in KIND_MODALITY or KIND_MODALITY[kind] in limits}
-    state.workers.check_kinds(checked)
+    state.workers.check_kinds(checked, media_positions(state))

@@ -57,9 +57,10 @@ from typing import TYPE_CHECKING
 from mmgate.observe import metrics, timing_log
 from mmgate.engines.adapter import WireAdapter
 from mmgate.engines.base import Bootstrap, EncodedRequest, EngineEvent, Role
+from mmgate.engines.capabilities import MediaPositions, Positions
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.pipeline.routing_key import RoutingKey
-from mmgate.routing.capability import check_capable, media_kinds
+from mmgate.routing.capability import check_capable, media_kinds, media_positions
 from mmgate.routing.dispatch import Dispatcher, EngineAnswer, finish, router_tally
 from mmgate.routing.mm_processing import Mode
 from mmgate.routing.policies.base import RouteRequest
@@ -100,14 +101,8 @@ def bootstrap_port(worker: Worker) -> int:
 
 
 def _uses_mrope(state: DispatchContext) -> bool:
-    """Whether the served model positions media with M-RoPE (``mrope_section`` in its text config's rope)."""
-    config = state.runtime.bundle.config
-    for cfg in (config, config.get("text_config") or {}):
-        for key in ("rope_scaling", "rope_parameters"):
-            rope = cfg.get(key)
-            if isinstance(rope, dict) and rope.get("mrope_section"):
-                return True
-    return False
+    """Whether the served model positions media with M-RoPE, asked of its family (``Family.mrope``)."""
+    return media_positions(state).positions is Positions.MROPE
 
 
 def _n_samples_with_media() -> GatewayError:
@@ -160,16 +155,18 @@ def _check_language_model_only(state: DispatchContext, req: ChatCompletionReques
 
 
 def select_pair(registry: WorkerRegistry, modalities: frozenset[Modality],
-                full_decode: bool = False, request: RouteRequest | None = None) -> tuple[Worker, Worker]:
+                full_decode: bool = False, request: RouteRequest | None = None,
+                positions: MediaPositions = MediaPositions()) -> tuple[Worker, Worker]:
     """The healthy prefill worker ``--prefill-policy`` picks and the healthy decode worker of the same PD wire
     ``--decode-policy`` picks, both for ``request`` (SMG ``routers/grpc/pd_router.rs``: one policy per leg);
     ``full_decode``: the request is one a language-model-only decode worker cannot serve, so one that is not
-    is preferred (:func:`check_pd_request` refused it before when every decode worker is).
+    is preferred (:func:`check_pd_request` refused it before when every decode worker is).  ``positions``: how
+    the model positions media (:meth:`WorkerRegistry.select`).
 
     Raises:
         GatewayError(NO_HEALTHY_WORKER): no such pair (retryable 503), or MULTIMODAL_NOT_SUPPORTED.
     """
-    prefill = registry.select(modalities, Role.PREFILL, request)
+    prefill = registry.select(modalities, Role.PREFILL, request, positions)
     wire, adapter = prefill.wire, prefill.adapter
     if adapter is None or Role.PREFILL not in adapter.roles:  # a wire whose adapter encodes no PD legs
         raise GatewayError(ErrorCode.NO_HEALTHY_WORKER,
@@ -307,7 +304,8 @@ async def start_pd(state: DispatchContext, req: ChatCompletionRequest, request_i
     full_decode = needs_full_decode(state, req)
 
     def choose_worker(modalities: frozenset[Modality], key: RoutingKey) -> bool:
-        prefill, decode = select_pair(state.workers, modalities, full_decode, RouteRequest.current(key, req.user))
+        prefill, decode = select_pair(state.workers, modalities, full_decode, RouteRequest.current(key, req.user),
+                                      media_positions(state))
         adapter = prefill.adapter
         assert adapter is not None
         if req.n > 1 and modalities and not adapter.pd_n_samples:

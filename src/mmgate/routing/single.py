@@ -23,7 +23,7 @@ from mmgate.observe import metrics, timing_log
 from mmgate.engines.adapter import WireAdapter
 from mmgate.engines.base import Role
 from mmgate.pipeline.routing_key import RoutingKey
-from mmgate.routing.capability import check_capable
+from mmgate.routing.capability import check_capable, media_positions
 from mmgate.routing.policies.base import RouteRequest
 from mmgate.routing.dispatch import Dispatcher, EngineAnswer, finish, router_tally
 from mmgate.routing.workers import Worker
@@ -58,7 +58,8 @@ class SingleDispatcher(Dispatcher):
         chosen: list[tuple[Worker, WireAdapter, WirePlan]] = []
 
         def choose_worker(modalities: frozenset[Modality], key: RoutingKey) -> bool:
-            worker = state.workers.select(modalities, request=RouteRequest.current(key, req.user))
+            worker = state.workers.select(modalities, request=RouteRequest.current(key, req.user),
+                                          positions=media_positions(state))
             adapter = worker.adapter
             assert adapter is not None  # select() takes only workers of a wire with an adapter
             wire = adapter.plan(state.settings.transport, worker.labels)

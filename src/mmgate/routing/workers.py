@@ -30,7 +30,10 @@ Capability (:mod:`mmgate.engines.capabilities`): a worker takes the modalities o
 wire's row of the capability matrix that its model takes.  A request whose media no
 registered worker takes is refused with ``multimodal_not_supported`` (400) before
 anything is fetched (:meth:`WorkerRegistry.check_kinds`); selection refuses the same
-way when the healthy workers cannot take it.  A worker whose wire has no adapter in
+way when the healthy workers cannot take it.  The matrix's second axis, how the model positions its
+media (:class:`~mmgate.engines.capabilities.MediaPositions`), narrows both: media of an M-RoPE model
+is not taken by an SGLang worker (``mrope_media_not_supported``, 400) unless
+``--sglang-allow-mrope-media``.  A worker whose wire has no adapter in
 this gateway is listed and counted, never selected.
 
 Admission (no ``--model``, issue 25): after a worker's first passing probe its model is found and loaded
@@ -58,7 +61,7 @@ from typing import TYPE_CHECKING
 from mmgate.observe import metrics
 from mmgate.engines.adapter import WireAdapter, adapter_for
 from mmgate.engines.base import Capabilities, Probe, ProbeOutcome, Role
-from mmgate.engines.capabilities import MediaKind, any_wire_takes, takes, takes_all
+from mmgate.engines.capabilities import MediaKind, MediaPositions, any_wire_takes, takes, takes_all
 from mmgate.engines.client import DEFAULT_KEEPALIVE, WorkerClient
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.config.settings import RoutingSettings
@@ -256,6 +259,16 @@ class Worker:
         if not wanted:
             return True
         return self.caps is not None and takes_all(self.caps, wanted)
+
+
+def _mrope_refusal(what: str, wires: Iterable[str], param: str) -> GatewayError:
+    """``mrope_media_not_supported``: ``what`` media of an M-RoPE model, taken only by workers of ``wires``
+    that would position it as text."""
+    return GatewayError(ErrorCode.MROPE_MEDIA_NOT_SUPPORTED,
+                        f"this model positions {what} input with M-RoPE, which the workers that take it "
+                        f"(wire: {', '.join(sorted(wires))}) compute as text-only positions from preprocessed "
+                        "tensors; use a vLLM or TokenSpeed worker, or start the gateway with "
+                        "--sglang-allow-mrope-media to send it anyway (docs/engines-sglang.md)", param)
 
 
 def _serves(worker: Worker, role: Role) -> bool:
@@ -462,10 +475,12 @@ class WorkerRegistry:
         await asyncio.gather(*admissions, return_exceptions=True)
         await asyncio.gather(*(w.client.close() for w in self._pool if w.client is not None), *self._closing)
 
-    def check_kinds(self, kinds: Mapping[MediaKind, str]) -> None:
+    def check_kinds(self, kinds: Mapping[MediaKind, str], positions: MediaPositions = MediaPositions()) -> None:
         """Refuse, before anything is fetched, media that no registered worker of the model takes.
 
         ``kinds``: each kind of media the request carries -> the ``param`` of its first content part.
+        ``positions``: how the model positions media; a worker whose wire loses that scheme
+        (:meth:`MediaPositions.kept`) takes none of its media.
         A kind no wire takes at all (precomputed embeddings) is always refused; any other is refused
         when some worker's capabilities are known and none of them takes it (workers that failed their
         last probe included: their capabilities stand until the next passing probe).  With no worker
@@ -473,6 +488,8 @@ class WorkerRegistry:
 
         Raises:
             GatewayError(MULTIMODAL_NOT_SUPPORTED): 400, ``param`` naming the first such part.
+            GatewayError(MROPE_MEDIA_NOT_SUPPORTED): 400, the workers that take the kind all lose the model's
+                M-RoPE positions (SGLang wire without ``--sglang-allow-mrope-media``).
         """
         for kind, param in kinds.items():
             if not any_wire_takes(kind):
@@ -483,20 +500,27 @@ class WorkerRegistry:
         if not known:
             return
         for kind, param in kinds.items():
-            if not any(takes(caps, kind) for caps in known):
+            taking = [caps for caps in known if takes(caps, kind)]
+            if not taking:
                 wires = ", ".join(sorted({caps.wire.value for caps in known}))
                 raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED,
                                    f"no worker of this model takes {kind.value} input (wire: {wires}; "
                                    "docs/engines.md, capability matrix)", param)
+            if not any(positions.kept(caps.wire) for caps in taking):
+                raise _mrope_refusal(kind.value, {caps.wire.value for caps in taking}, param)
 
     def select(self, modalities: Iterable[Modality], role: Role = Role.SINGLE,
-               request: RouteRequest | None = None) -> Worker:
+               request: RouteRequest | None = None, positions: MediaPositions = MediaPositions()) -> Worker:
         """The worker ``role``'s policy (:attr:`policies`) picks for ``request`` among the healthy workers of
         ``role`` that can take ``modalities`` and that this gateway has an adapter for (``role`` single: any worker
         not given a prefill/decode role with ``--prefill``/``--decode``).
 
+        ``positions``: how the model positions media; with media, a worker whose wire loses that scheme is
+        not capable (:meth:`check_kinds`).
+
         Raises:
             GatewayError(MULTIMODAL_NOT_SUPPORTED): healthy workers exist but none takes these modalities.
+            GatewayError(MROPE_MEDIA_NOT_SUPPORTED): those that take them all lose the model's M-RoPE positions.
             GatewayError(NO_HEALTHY_WORKER): no healthy worker, or none of a wire this gateway speaks
                 (retryable 503).
         """
@@ -509,6 +533,12 @@ class WorkerRegistry:
         if not capable:
             names = ", ".join(sorted(m.value for m in wanted))
             raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED, f"no worker of this model accepts {names} input")
+        if wanted:
+            positioned = [w for w in capable if w.caps is not None and positions.kept(w.caps.wire)]
+            if not positioned:
+                names = ", ".join(sorted(m.value for m in wanted))
+                raise _mrope_refusal(names, {w.wire for w in capable}, "messages")
+            capable = positioned
         spoken = [w for w in capable if w.adapter is not None]
         if not spoken:
             wires = ", ".join(sorted({w.wire for w in capable}))
