@@ -289,10 +289,10 @@ def test_rooms_fit_both_wires() -> None:
 def _state(mrope: bool, lm_only: bool, processing: MmProcessing = MmProcessing.ROUTER) -> Any:
     decode = Worker(url="grpc://d:1", target="d:1", assigned_role=Role.DECODE)
     decode.caps = Capabilities(wire=Wire.SGLANG, role=Role.DECODE, language_model_only=lm_only)
-    rope = {"rope_scaling": {"mrope_section": [16, 24, 24]}} if mrope else {}
+    # M-RoPE is asked of the family (Family.mrope), never read off the config
     return SimpleNamespace(workers=SimpleNamespace(workers=[decode]),
-                           runtime=SimpleNamespace(bundle=SimpleNamespace(config={"text_config": rope})),
-                           settings=SimpleNamespace(mm_processing=processing))
+                           runtime=SimpleNamespace(family=SimpleNamespace(mrope=mrope)),
+                           settings=SimpleNamespace(mm_processing=processing, sglang_allow_mrope_media=False))
 
 
 def _req(n: int = 1, media: bool = True) -> Any:
