@@ -39,6 +39,7 @@ REQUIRED_BUNDLES = (
     "Qwen--Qwen2.5-VL-7B-Instruct",
     "Qwen--Qwen3-VL-2B-Instruct",
     "Qwen--Qwen2.5-Omni-7B",
+    "Qwen--Qwen3-Omni-30B-A3B-Instruct",
     "google--gemma-3-4b-it",
     "llava-hf--llava-1.5-7b-hf",
     "llava-hf--llava-v1.6-mistral-7b-hf",
