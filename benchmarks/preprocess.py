@@ -29,7 +29,7 @@ interleaved, these contenders on the same encoded bytes (decode is included in e
 
 Before timing, each mmgate backend's batch is compared with its transformers twin: the primary
 tensor (shape, dtype, max |diff|) and every auxiliary tensor both produce (``image_grid_thw``,
-``image_sizes``, ``num_crops``); any difference aborts the run (exit status 1) -- timing outputs
+``image_sizes``); any difference aborts the run (exit status 1) -- timing outputs
 that differ would be meaningless.
 
 Rounds: each round runs every (bundle, size, contender) cell for about ``--min-time`` seconds, the

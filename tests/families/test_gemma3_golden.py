@@ -119,7 +119,7 @@ def test_crops_are_cut_where_the_reference_slices_and_the_last_may_be_narrower()
     plan = proc.plan(300, 1001, ItemHints(options=(("do_pan_and_scan", True),)))
     assert plan.detail == (3, 1, 3, 300, 334)
     assert crop_boxes(plan) == [(0, 0, 300, 334), (0, 334, 300, 334), (0, 668, 300, 333)]
-    assert plan.shapes == (("pixel_values", (4, 3, 896, 896)), ("num_crops", ()), ("num_patches", ()))
+    assert plan.shapes == (("pixel_values", (4, 3, 896, 896)), ("num_patches", ()))
 
 
 def test_settings_that_would_cut_an_empty_crop_are_refused() -> None:
@@ -184,13 +184,13 @@ def test_every_pan_and_scan_kwarg_is_taken_per_request() -> None:
 
 
 def test_specs_follow_vllm_gemma3_mm_fields_config() -> None:
-    """vLLM ``gemma3_mm.py`` ``_get_mm_fields_config``: ``pixel_values`` flat_from_sizes(num_crops + 1),
-    ``num_crops`` batched; the sizes travel as the batched ``num_patches``; nothing on CPU."""
+    """vLLM ``gemma3_mm.py`` (0.33 line) ``_get_mm_fields_config``: ``pixel_values``
+    ``flat_from_sizes("image", num_patches)``, ``num_patches`` (= crops + 1) batched, nothing on CPU;
+    no ``num_crops`` (transformers' ``Gemma3Processor`` pops it, vLLM's processor never declares it)."""
     proc = family_for("pil").image
     layout = {s.name: (s.layout, s.sizes_key, s.keep_on_cpu, s.primary, s.dtype) for s in proc.specs}
     assert layout == {
         "pixel_values": (TensorLayout.FLAT, "num_patches", False, True, "float32"),
-        "num_crops": (TensorLayout.BATCHED, None, False, False, "int64"),
         "num_patches": (TensorLayout.BATCHED, None, False, False, "int64"),
     }
     assert proc.anchor_token_id == BUNDLE_INFO["boi_token_id"]
@@ -205,7 +205,7 @@ def test_a_batch_of_items_with_and_without_crops_is_laid_out_flat() -> None:
     shares = [proc.preprocess(im, pl) for im, pl in zip(items, plans)]
     batch = assemble(proc, plans, shares)
     assert batch.tensors["pixel_values"].shape == (3 + 1 + 4, 3, 896, 896)
-    assert batch.tensors["num_crops"].tolist() == [2, 0, 3]
+    assert set(batch.tensors) == {"pixel_values", "num_patches"}
     assert batch.tensors["num_patches"].tolist() == [3, 1, 4]
     assert batch.flat_keys == {"pixel_values": "num_patches"} and batch.keep_on_cpu_keys == ()
     assert np.array_equal(batch.tensors["pixel_values"][3:4], shares[1])

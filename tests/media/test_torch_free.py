@@ -85,8 +85,10 @@ MAX_DECODE_PIXELS = FetchSettings().max_image_pixels
 SAMPLE_MAX_PIXELS = 1_500_000  # the default run's images stay below this
 QWEN = ("Qwen--Qwen2-VL-2B-Instruct", "Qwen--Qwen2.5-VL-7B-Instruct", "Qwen--Qwen3-VL-2B-Instruct")
 LLAVA, LLAVA_NEXT, GEMMA3 = "llava-hf--llava-1.5-7b-hf", "llava-hf--llava-v1.6-mistral-7b-hf", "google--gemma-3-4b-it"
-#: reference output keys compared besides ``pixel_values``, per bundle
-AUX = {**{q: ("image_grid_thw",) for q in QWEN}, LLAVA: (), LLAVA_NEXT: ("image_sizes",), GEMMA3: ("num_crops",)}
+#: tensors compared besides ``pixel_values``, per bundle: (mmgate's key, the reference image
+#: processor's key, what mmgate adds to it); Gemma 3 sends vLLM's ``num_patches`` = ``num_crops + 1``
+AUX = {**{q: (("image_grid_thw", "image_grid_thw", 0),) for q in QWEN}, LLAVA: (),
+       LLAVA_NEXT: (("image_sizes", "image_sizes", 0),), GEMMA3: (("num_patches", "num_crops", 1),)}
 #: a clip large enough that the video processors resize its frames (smart_resize of 640x360)
 BIG_CLIP = ClipSpec("torchfree_f12_640x360", 12, 24, 640, 360)
 
@@ -221,7 +223,7 @@ def check_images(folders: tuple[str, ...], full: bool, tmp_path: Path) -> None:
                 out = ref.processor.image_processor(  # type: ignore[attr-defined]
                     images=[Image.open(io.BytesIO(data))], return_tensors="np", **{**ref.images_kwargs, **options})
                 expected[key] = (spec, {"pixel_values": describe(np.asarray(out["pixel_values"]))},
-                                 {name: np.asarray(out[name]) for name in AUX[folder]})
+                                 {ours: np.asarray(out[ref_key]) + add for ours, ref_key, add in AUX[folder]})
     t0 = time.perf_counter()
     result = run_job({"images": jobs}, tmp_path)
     assert set(result["backends"].values()) == {"torchvision"}  # auto picks torchvision without torch

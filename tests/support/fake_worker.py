@@ -32,6 +32,7 @@ class Received:
     dtypes: dict[str, str]
     payloads: dict[str, str]  # name -> "inline" | "shm"
     sampling: vllm_engine_pb2.SamplingParams | None = None  # the request's sampling_params as received
+    request: vllm_engine_pb2.GenerateRequest | None = None  # the whole request as received (inline tensors readable)
 
 
 @dataclass
@@ -107,7 +108,7 @@ class _Servicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 payloads[name] = td.WhichOneof("payload")
         with self.state.lock:
             self.state.received.append(Received(list(request.tokenized.input_ids), tensors, dtypes, payloads,
-                                                sampling=request.sampling_params))
+                                                sampling=request.sampling_params, request=request))
         if self.state.delay_s:
             time.sleep(self.state.delay_s)
         if self.state.fail_with is not None:

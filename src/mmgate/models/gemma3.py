@@ -3,7 +3,7 @@
 Stage: plan / preprocess / expand for ``model_type`` ``gemma3`` (images only).  In: an image's
 decoded size and the request's ``mm_processor_kwargs`` (plan), its RGB pixels (preprocess);
 out: the item's ``pixel_values`` share ``[1 + num_crops, 3, 896, 896]`` float32, its
-``num_crops`` / ``num_patches`` and a *text-level* prompt update.
+``num_patches`` (= ``num_crops + 1``) and a *text-level* prompt update.
 
 Reference (transformers 5.24), exact for both image backends:
 
@@ -29,12 +29,14 @@ Reference (transformers 5.24), exact for both image backends:
   from ``preprocessor_config.json`` and, where null there, from ``Gemma3Processor.images_kwargs``
   (False, 256, 4, 1.2), as vLLM ``Gemma3ProcessingInfo._resolve_image_kwargs`` resolves them.
 
-Wire layout (vLLM ``vllm/model_executor/models/gemma3_mm.py`` ``_get_mm_fields_config``,
-v0.11): ``pixel_values`` flat, ``flat_from_sizes("image", num_crops + 1)``; ``num_crops``
-batched; nothing kept on CPU.  The sizes ``num_crops + 1`` travel as the batched
-``num_patches`` (the SMG servicer needs a flat key's sizes *in* the batch; vLLM's
-``Gemma3ForConditionalGeneration._parse_and_validate_image_input`` pops ``pixel_values`` and
-``num_crops`` and ignores other keys).  ``im_token_id`` = ``<image_soft_token>``.
+Wire layout: exactly the tensors vLLM's processor produces (vLLM
+``vllm/model_executor/models/gemma3_mm.py``, ``Gemma3MultiModalProcessor._call_hf_processor`` and
+``_get_mm_fields_config``, as of the 0.33 line): ``pixel_values`` flat,
+``flat_from_sizes("image", num_patches)``, and ``num_patches`` = ``num_crops + 1`` batched (what
+``Gemma3ImagePixelInputs`` reads); nothing kept on CPU.  No ``num_crops`` tensor: transformers'
+``Gemma3Processor.__call__`` pops it from the image processor's output and vLLM adds
+``num_patches`` instead (vLLM 0.11 still declared a batched ``num_crops``; mmgate sent it until
+issue 24).  ``im_token_id`` = ``<image_soft_token>``.
 
 Placeholder range: vLLM's ``get_image_repl`` returns
 ``PromptUpdateDetails.select_token_id(repl_full, image_token_id)`` for the *whole*
@@ -219,7 +221,6 @@ class Gemma3Images:
     modality = Modality.IMAGE
     specs: tuple[TensorSpec, ...] = (
         TensorSpec("pixel_values", "float32", TensorLayout.FLAT, sizes_key="num_patches", primary=True),
-        TensorSpec("num_crops", "int64", TensorLayout.BATCHED),
         TensorSpec("num_patches", "int64", TensorLayout.BATCHED),
     )
 
@@ -320,14 +321,14 @@ class Gemma3Images:
         return ItemPlan(
             modality=Modality.IMAGE, original_hw=(height, width), resized_hw=(p.height, p.width),
             num_tokens=(1 + crops) * p.image_seq_length,
-            shapes=(("pixel_values", (1 + crops, 3, p.height, p.width)), ("num_crops", ()), ("num_patches", ())),
+            shapes=(("pixel_values", (1 + crops, 3, p.height, p.width)), ("num_patches", ())),
             detail=(crops, rows, cols, crop_h, crop_w),
         )
 
     def plan_tensors(self, plan: ItemPlan) -> dict[str, np.ndarray]:
-        """``num_crops`` and ``num_patches`` (= ``num_crops + 1``, the item's ``pixel_values`` rows)."""
-        crops = plan.detail[0]
-        return {"num_crops": np.array(crops, dtype=np.int64), "num_patches": np.array(crops + 1, dtype=np.int64)}
+        """``num_patches`` (= ``num_crops + 1``, the item's ``pixel_values`` rows; vLLM's name and
+        value, see the module docstring)."""
+        return {"num_patches": np.array(plan.detail[0] + 1, dtype=np.int64)}
 
     # -- preprocess ---------------------------------------------------------------------------
 
