@@ -6,7 +6,8 @@ References (transformers 5.24, bundle ``google--gemma-3-4b-it``):
   ``AutoImageProcessor.from_pretrained(bundle, backend="pil")`` (``Gemma3ImageProcessorPil``);
 * pixels: the image processor called with what ``Gemma3Processor`` passes it
   (``Gemma3Processor.images_kwargs`` overridden by the request's ``mm_processor_kwargs``);
-  ``pixel_values`` and ``num_crops`` must be identical (``np.array_equal``) to mmgate's
+  ``pixel_values`` must be identical (``np.array_equal``) to mmgate's and the reference's
+  ``num_crops`` + 1 equal to mmgate's ``num_patches`` (vLLM's key: crops plus the global image)
   (``decode_image`` -> ``plan`` -> ``preprocess`` -> ``assemble``), pan-and-scan off, on, and
   with random custom settings; settings the reference fails on must be refused (INVALID_REQUEST);
 * prompts: ``processor.apply_chat_template(tokenize=False)`` then ``processor(text=prompt,
@@ -126,8 +127,8 @@ def case() -> Case:
 
 
 def compare_one(key: str, backend: ImageBackend, job: live.Job, data: bytes) -> tuple[str, float]:
-    """``pixel_values`` and ``num_crops`` identical with the job's ``mm_processor_kwargs``, or both
-    refuse (the reference raises, mmgate answers INVALID_REQUEST)."""
+    """``pixel_values`` identical and ``num_patches`` equal to the reference's ``num_crops`` + 1 with
+    the job's ``mm_processor_kwargs``, or both refuse (the reference raises, mmgate answers INVALID_REQUEST)."""
     from transformers import Gemma3Processor
 
     c = case()
@@ -152,7 +153,7 @@ def compare_one(key: str, backend: ImageBackend, job: live.Job, data: bytes) -> 
     if ref_error is not None:
         return f"reference failed ({type(ref_error).__name__}: {ref_error}), mmgate accepted", math.nan
     problems, diff = live.tensor_problems(
-        {"pixel_values": ref["pixel_values"], "num_crops": ref["num_crops"]}, batch.tensors)
+        {"pixel_values": ref["pixel_values"], "num_patches": np.asarray(ref["num_crops"]) + 1}, batch.tensors)
     return ("; ".join(problems) if problems else live.EQUAL), diff
 
 
