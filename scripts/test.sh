@@ -6,6 +6,7 @@
 # The preflight (tests/support/preflight.py) names each missing model bundle, unbuilt C extension,
 # tool (ffmpeg, redis-server) or corpus generator; under CI=true (or MMGATE_REQUIRE_ALL=1) any of
 # them fails the run before pytest starts. pytest's "no tests collected" (exit 5) is a failure too.
+# --durations=40: the slowest tests are printed, so the CI log shows where the time goes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--no-setup" ]; then
@@ -17,7 +18,7 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PY=${PYTHON:-python3}
 "$PY" -m tests.support.preflight
 rc=0
-"$PY" -m pytest -q "$@" || rc=$?
+"$PY" -m pytest -q --durations=40 "$@" || rc=$?
 if [ "$rc" = 5 ]; then
     echo "test.sh: FAILED: pytest collected no tests (args: $*): a run that tests nothing is a failure"
 fi
