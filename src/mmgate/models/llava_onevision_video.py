@@ -3,8 +3,9 @@
 Stage: plan / preprocess / expand of ``video_url`` parts for ``llava_onevision``.  In: a clip's
 header facts (:class:`~mmgate.types.VideoMeta`), then its decoded frames
 (:class:`~mmgate.types.DecodedVideo`); out: frame indices, a :class:`~mmgate.types.VideoPlan`,
-the clip's share of ``pixel_values_videos`` (float32 ``[num_frames, 3, 384, 384]``) and the run of
-``<video>`` replacing the template's anchor.
+the clip's share of the video batch's ``pixel_values`` (float32 ``[num_frames, 3, 384, 384]``; on the
+vLLM wire the servicer hands it to vLLM as ``pixel_values_videos``, smg-grpc-servicer 0.14.1
+``vllm/mm_keys.py`` ``modality_key``) and the run of ``<video>`` replacing the template's anchor.
 
 Reference (transformers 5.24):
 * ``models/llava_onevision/video_processing_llava_onevision.py`` ``LlavaOnevisionVideoProcessor``
@@ -74,7 +75,7 @@ class OnevisionVideo:
     """One bundle's video side (module docstring).  ``ItemPlan.detail``: ``(num_frames,)``."""
 
     modality = Modality.VIDEO
-    specs = (TensorSpec("pixel_values_videos", "float32", TensorLayout.BATCHED, primary=True),)
+    specs = (TensorSpec("pixel_values", "float32", TensorLayout.BATCHED, primary=True),)  # -> pixel_values_videos
 
     def __init__(self, model_type: str, params: ClipParams, token: str, token_id: int, frame_tokens: int,
                  backend: ImageBackend, sampling: FrameSampling) -> None:
@@ -142,7 +143,7 @@ class OnevisionVideo:
             raise GatewayError(ErrorCode.MEDIA_DECODE_FAILED, "video has no frames")
         h, w = self.size_hw
         item = ItemPlan(modality=Modality.VIDEO, original_hw=(video.height, video.width), resized_hw=(h, w),
-                        num_tokens=self.num_tokens(n), shapes=(("pixel_values_videos", (n, 3, h, w)),), detail=(n,))
+                        num_tokens=self.num_tokens(n), shapes=(("pixel_values", (n, 3, h, w)),), detail=(n,))
         return VideoPlan(item=item, frame_indices=tuple(video.frame_indices), total_frames=video.meta.total_frames,
                          source_fps=video.meta.fps, max_pixels=h * w)
 
