@@ -50,7 +50,7 @@ from mmgate.models.backend import FrameSampling, ImageBackend
 from mmgate.models.bundle import ModelBundle
 from mmgate.models.llava import DEFAULT_IMAGE_LIMIT, ClipParams, ImageTokens, clip_params, image_limit
 from mmgate.models.llava_next import AnyresImages, select_best_resolution, unpadded_features
-from mmgate.models.llava_onevision_video import OnevisionVideo, onevision_video_from_bundle
+from mmgate.models.llava_onevision_video import OnevisionVideo, onevision_tokens, onevision_video_from_bundle
 from mmgate.types import Modality
 
 __all__ = ["LlavaOnevisionFamily", "OnevisionImages", "onevision_features"]
@@ -120,24 +120,6 @@ def max_patches_of(aspect: str, bundle_name: str) -> int:
         raise GatewayError(ErrorCode.INTERNAL_ERROR, f"bundle {bundle_name!r}: vision_aspect_ratio {aspect!r} is "
                            "not supported (anyres_max_<n> only)")
     return int(digits)
-
-
-def onevision_tokens(bundle: ModelBundle, tokenizer: BundleTokenizer, name: str, default: str,
-                     config_key: str) -> tuple[str, int]:
-    """A media token as ``LlavaOnevisionProcessor.__init__`` reads it (the tokenizer's
-    ``extra_special_tokens`` entry over the processor config's, else ``default``) and its id.
-
-    Raises:
-        GatewayError(INTERNAL_ERROR): not a single token, or its id disagrees with ``config.json``.
-    """
-    extra = bundle.tokenizer_config.get("extra_special_tokens")
-    token = str((extra or {}).get(name) if isinstance(extra, dict) and extra.get(name)
-                else bundle.processor_config.get(name) or default)
-    token_id = tokenizer.token_id(token)
-    config_id = bundle.config.get(config_key)
-    if token_id is None or (config_id is not None and int(config_id) != token_id):
-        raise GatewayError(ErrorCode.INTERNAL_ERROR, f"bundle {bundle.name!r}: {token} id disagrees with config")
-    return token, token_id
 
 
 class LlavaOnevisionFamily:

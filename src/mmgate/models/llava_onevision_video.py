@@ -53,7 +53,8 @@ from mmgate.types import (
     VideoPlan,
 )
 
-__all__ = ["VLLM_NUM_FRAMES", "OnevisionVideo", "onevision_video_from_bundle", "vllm_frame_indices"]
+__all__ = ["VLLM_NUM_FRAMES", "OnevisionVideo", "onevision_tokens", "onevision_video_from_bundle",
+           "vllm_frame_indices"]
 
 #: vLLM 0.33 ``vllm/multimodal/media/video.py`` ``VideoMediaIO.__init__(num_frames=32)``
 VLLM_NUM_FRAMES = 32
@@ -69,6 +70,24 @@ def vllm_frame_indices(total: int, num_frames: int = VLLM_NUM_FRAMES) -> list[in
     if n == total:
         return list(range(total))
     return [int(i) for i in np.linspace(0, total - 1, n, dtype=int)]
+
+
+def onevision_tokens(bundle: ModelBundle, tokenizer: BundleTokenizer, name: str, default: str,
+                     config_key: str) -> tuple[str, int]:
+    """A media token as ``LlavaOnevisionProcessor.__init__`` reads it (the tokenizer's
+    ``extra_special_tokens`` entry over the processor config's, else ``default``) and its id.
+
+    Raises:
+        GatewayError(INTERNAL_ERROR): not a single token, or its id disagrees with ``config.json``.
+    """
+    extra = bundle.tokenizer_config.get("extra_special_tokens")
+    token = str((extra or {}).get(name) if isinstance(extra, dict) and extra.get(name)
+                else bundle.processor_config.get(name) or default)
+    token_id = tokenizer.token_id(token)
+    config_id = bundle.config.get(config_key)
+    if token_id is None or (config_id is not None and int(config_id) != token_id):
+        raise GatewayError(ErrorCode.INTERNAL_ERROR, f"bundle {bundle.name!r}: {token} id disagrees with config")
+    return token, token_id
 
 
 class OnevisionVideo:
@@ -178,7 +197,6 @@ def onevision_video_from_bundle(bundle: ModelBundle, tokenizer: BundleTokenizer,
             id that disagrees with ``config.json`` ``video_token_index``.
     """
     from mmgate.media.video import av_available
-    from mmgate.models.llava_onevision import onevision_tokens
 
     if not av_available():
         return None
