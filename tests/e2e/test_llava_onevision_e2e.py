@@ -72,7 +72,8 @@ def test_two_images_are_each_tiled_as_vllm_calls_the_processor(stack: Stack) -> 
 
     images = [_png(64, 48, 11), _png(350, 1000, 12)]
     completion, request_id = _ask(stack, _messages(images, "Compare the two pictures."))
-    prompt = _prompt(stack, [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Compare the two pictures."}])
+    text = "Compare the two pictures."
+    prompt = _prompt(stack, [{"type": "image"}, {"type": "image"}, {"type": "text", "text": text}])
     pil = [Image.open(io.BytesIO(b)) for b in images]
     inputs = dict(_processor(stack.bundle)(text=[prompt], images=pil, return_tensors="pt"))
     inputs.pop("batch_num_images", None)
