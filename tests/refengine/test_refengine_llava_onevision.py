@@ -134,3 +134,18 @@ def test_a_video_generates_as_transformers(engine_for: Callable[[Path], RunningE
     assert out["pixel_values_videos"].shape == (1, 3, 3, 384, 384)
     assert int((out["input_ids"] == 151647).sum()) == 3 * 196 + 1
     _assert_same_generation(engine_for(bundle), bundle, out)
+
+
+def test_the_output_depends_on_the_pixels(engine_for: Callable[[Path], RunningEngine]) -> None:
+    """The shrunken tower is not bypassed: other pixels (same ids and layout) change the logprobs."""
+    bundle = require_bundle(ONEVISION)
+    out = _outputs(bundle, [random_image(500, 300)])
+    other = dict(out, pixel_values=torch.roll(out["pixel_values"], shifts=37, dims=-1) * 0.5)
+    stub = stub_for(engine_for(bundle).address)
+    answers = []
+    for inputs in (out, other):
+        request = generate_request(inputs["input_ids"][0].tolist(), _wire(bundle, inputs), max_tokens=2,
+                                   ignore_eos=True, logprobs=0)
+        (response,) = list(stub.Generate(request, timeout=300))
+        answers.append(list(response.complete.output_logprobs.token_logprobs))
+    assert answers[0] != answers[1]
