@@ -6,7 +6,10 @@ The fixture has the LLaVA-NeXT format (``scripts/golden_reference.py`` ``llava_g
 image the selected pinpoint, the resize-for-patching size, the token count of
 ``processor(text="<image>", images=[image])``, the ``pixel_values`` shape, sha256 and probe values
 and ``image_sizes``; per conversation the ids of ``processor(text=apply_chat_template(tokenize=False),
-images=images)`` (a flat image list: every image tiled, as vLLM calls it) and the batch.
+images=images)`` (a flat image list: every image tiled, as vLLM calls it) and the batch; per clip
+(1, 2, 7, 33, 301 frames) and frame-sampling rule the frames kept, the ids and the
+``pixel_values_videos`` sha256 of the video processor (replayed by
+``tests/families/test_llava_onevision_golden_video.py``).
 
 The corpus adds OneVision's own boundaries to the LLaVA one: the 384 tile and pinpoints
 (384x384 exact, 768x384 exact and one pixel past), sizes whose unpadded grid is capped by
@@ -16,6 +19,9 @@ The corpus adds OneVision's own boundaries to the LLaVA one: the 384 tile and pi
 from __future__ import annotations
 
 import json
+import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 from golden_corpora import LLAVA_CONVERSATIONS, LLAVA_IMAGES
@@ -49,8 +55,56 @@ ONEVISION_IMAGES: tuple[ImageSpec, ...] = LLAVA_IMAGES + (
     ImageSpec(2400, 300, "RGB", 26, "PNG", "wide_2400x300"),  # 384x2304 pinpoint, thin unpadded grid
 )
 
+#: clips (frames, fps, width, height): the issue's lengths, small frames (each is resized to 384x384)
+ONEVISION_CLIPS: tuple[tuple[int, int, int, int], ...] = ((1, 24, 64, 48), (2, 25, 66, 50), (7, 30, 65, 47),
+                                                          (33, 25, 48, 32), (301, 24, 48, 32))
+CONTEXT = 32768  # text_config.max_position_embeddings: a longer expansion is refused by the gateway
+
 #: the LLaVA conversations (the OneVision template puts every image before the turn's text)
 ONEVISION_CONVERSATIONS: tuple[dict, ...] = LLAVA_CONVERSATIONS
+
+
+def vllm_indices(total: int) -> list[int]:
+    """vLLM 0.33 ``OpenCVVideoBackend.load_bytes(num_frames=32)`` (written out, not mmgate's)."""
+    n = max(1, min(32, total))
+    return list(range(total)) if n == total else [int(i) for i in np.linspace(0, total - 1, n, dtype=int)]
+
+
+def clip_rows(processor) -> list[dict]:  # noqa: ANN001 - the transformers LlavaOnevisionProcessor
+    """Per clip and sampling rule: the frames kept, the ids and ``pixel_values_videos`` of
+    ``processor(text=[prompt], videos=[frames])`` on transformers' pyav decode, or the refusal."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from parity_support import sha256_rgb
+    from tests.video.video_support import ClipSpec, load, make_clip
+
+    content = [{"type": "video"}, {"type": "text", "text": "What happens?"}]
+    prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                           tokenize=False)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as folder:
+        for frames, fps, width, height in ONEVISION_CLIPS:
+            spec = ClipSpec(f"ov_f{frames}", frames, fps, width, height)
+            decoded, _ = load(make_clip(spec, Path(folder)))
+            assert len(decoded) == frames
+            for sampling in ("vllm", "transformers"):
+                kept = vllm_indices(frames) if sampling == "vllm" else list(range(frames))
+                row: dict = {"clip": {"frames": frames, "fps": fps, "width": width, "height": height,
+                                      "codec": spec.codec}, "sampling": sampling, "frames_kept": kept,
+                             "frames_rgb_sha256": sha256_rgb(np.ascontiguousarray(decoded))}
+                tokens = len(kept) * 196 + 1
+                if tokens > CONTEXT:
+                    row["refused"] = f"context_length_exceeded: {tokens} tokens > {CONTEXT}"
+                    rows.append(row)
+                    continue
+                out = processor(text=[prompt], videos=[decoded[kept]], return_tensors="np")
+                pv = np.asarray(out["pixel_values_videos"])
+                ids = [int(v) for v in out["input_ids"][0]]
+                assert ids.count(processor.video_token_id) == tokens
+                row.update({"num_video_tokens": tokens, "input_ids_len": len(ids), "input_ids_sha256": sha256_ids(ids),
+                            "pixel_values_videos_shape": list(pv.shape),
+                            "pixel_values_videos_sha256": sha256_f32le(pv)})
+                rows.append(row)
+    return rows
 
 
 def onevision_golden() -> dict:
@@ -122,4 +176,8 @@ def onevision_golden() -> dict:
         "bundles": [info],
         "rows": rows,
         "conversations": conversations,
+        "clips_reference": "tests/video/video_support.make_clip (PyAV libx264) decoded by transformers' "
+                           "load_video(backend='pyav'); the frames kept by the sampling rule handed to "
+                           "processor(text=[template prompt], videos=[frames]) (its do_sample_frames=False)",
+        "clips": clip_rows(processor),
     }

@@ -14,7 +14,7 @@ References, per image backend:
   and 301 frames decoded by transformers' pyav loader, the frames mmgate keeps handed to the
   processor (``tests/video/video_support.reference``): ``pixel_values_videos`` and the expanded ids
   identical, under ``--video-frame-sampling vllm`` (vLLM 0.33's 32 uniform frames) and
-  ``transformers`` (every frame; 301 frames are 59009 tokens, past the 32768-token context: refused
+  ``transformers`` (every frame; 301 frames are a 58997-token run, past the 32768-token context: refused
   before any engine sees them, ``context_length_exceeded``).
 
 Corpus: edge sizes (1x1, thin strips, every image mode, JPEG, the 384 tile +-1, the pinpoints up to
@@ -211,7 +211,7 @@ def run_clip(folder: Path, frames: int, fps: int, width: int, height: int, sampl
 
     path = make_clip(ClipSpec(f"ov_f{frames}", frames, fps, width, height), folder)
     indices = vllm_frame_indices(frames) if sampling is FrameSampling.VLLM else list(range(frames))
-    if len(indices) * 196 + 1 > CONTEXT:  # 301 frames, every one kept: 59009 tokens, past the model's context
+    if len(indices) * 196 + 1 > CONTEXT:  # 301 frames, every one kept: 58997 tokens, past the model's context
         with pytest.raises(GatewayError) as info:
             prepare(MODEL, [video_part(path)], sampling=sampling)
         assert info.value.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED
