@@ -8,6 +8,8 @@ stack and helpers; its one-image test is there).
   the reference here is ``processor(text=rendered, images=[a, b])`` (flat) on the template's prompt.
 * A video: the clip's frames decoded by transformers' pyav loader, the 32 uniform frames vLLM 0.33
   keeps (all of them for a short clip), ``processor(text=rendered, videos=[frames])``.
+* A video and an image in one request: two batches on the wire (``<image>`` and ``<video>`` runs), the
+  model given ``pixel_values`` and ``pixel_values_videos`` together, as ``processor(images=, videos=)``.
 
 Every expected value comes from transformers: prompt ids, ``pixel_values`` /
 ``pixel_values_videos`` bit for bit on the wire, the generated ids of ``model.generate`` on the
@@ -98,3 +100,36 @@ def test_a_video_equals_the_processor_and_generates(stack: Stack, tmp_path) -> N
     assert tuple(inputs["pixel_values_videos"].shape) == (1, 5, 3, 384, 384)
     assert int((inputs["input_ids"] == 151647).sum()) == 5 * 196 + 1
     _judge(stack, completion, request_id, inputs, "pixel_values_videos")
+
+
+@pytest.mark.parametrize("stack", ["llava_onevision"], indirect=True)
+def test_an_image_and_a_video_in_one_request_equal_the_processor_and_generate(stack: Stack, tmp_path) -> None:  # noqa: ANN001
+    """Two batches on the wire (image, then video: the template renders images first); the model gets both."""
+    import io
+
+    from tests.video.video_support import ClipSpec, load, make_clip
+
+    path = make_clip(ClipSpec("ov_mixed", 3, 10, 64, 48), tmp_path)
+    png = _png(300, 200, 13)
+    url = "data:video/mp4;base64," + base64.b64encode(path.read_bytes()).decode()
+    image_url = "data:image/png;base64," + base64.b64encode(png).decode()
+    messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                             {"type": "image_url", "image_url": {"url": image_url}},
+                                             {"type": "text", "text": "Same scene?"}]}]
+    completion, request_id = _ask(stack, messages)
+    frames, _ = load(path)
+    prompt = _prompt(stack, [{"type": "video"}, {"type": "image"}, {"type": "text", "text": "Same scene?"}])
+    inputs = dict(_processor(stack.bundle)(text=[prompt], images=[Image.open(io.BytesIO(png))], videos=[frames],
+                                           return_tensors="pt"))
+    inputs.pop("batch_num_images", None)
+    wire = stack.proxy.get(request_id)
+    assert wire is not None and wire.input_ids == inputs["input_ids"][0].tolist()
+    assert completion.usage.prompt_tokens == inputs["input_ids"].shape[1]
+    by_token = {b.im_token_id: b for b in wire.batches}
+    assert set(by_token) == {151646, 151647}
+    assert np.array_equal(by_token[151646].tensors["pixel_values"].array, inputs["pixel_values"].numpy())
+    assert np.array_equal(by_token[151647].tensors["pixel_values"].array, inputs["pixel_values_videos"].numpy())
+    want_ids, want_logprobs = _reference_generation(stack.bundle, inputs)
+    assert stack.proxy.output_ids(request_id) == want_ids
+    assert [e.logprob for e in completion.choices[0].logprobs.content] == pytest.approx(want_logprobs,
+                                                                                       abs=LOGPROB_TOLERANCE)
