@@ -149,3 +149,23 @@ def test_the_output_depends_on_the_pixels(engine_for: Callable[[Path], RunningEn
         (response,) = list(stub.Generate(request, timeout=300))
         answers.append(list(response.complete.output_logprobs.token_logprobs))
     assert answers[0] != answers[1]
+
+
+def test_channels_first_normalization_equals_the_processor_bit_for_bit() -> None:
+    """``--mm-device-do-normalize``: raw uint8 tiles normalized by the engine equal the processor's floats
+    (the batch-padding tile aside: zeros in the float tensor, dropped by the model through ``image_sizes``)."""
+    from mmgate.refengine.device_normalize import DeviceNormalizer
+    from mmgate.refengine.families import RawLayout
+
+    bundle = require_bundle(ONEVISION)
+    images = [random_image(), random_image(350, 1000, seed=2)]
+    floats = _outputs(bundle, images)["pixel_values"]
+    processor = processor_for(bundle)
+    prompt = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "image"}]}],
+                                           add_generation_prompt=True)
+    raw = processor(text=[prompt], images=images, do_rescale=False, do_normalize=False,
+                    return_tensors="pt")["pixel_values"]
+    assert torch.equal(raw, raw.round()) and raw.max() <= 255
+    normalized = DeviceNormalizer.from_bundle(bundle, RawLayout.CHANNELS_FIRST).normalize(raw.to(torch.uint8))
+    assert floats.shape[:2] == (2, 4)  # 64x48: base + 1 tile, padded to 4; 350x1000: base + 3 tiles
+    assert torch.equal(normalized[0, :2], floats[0, :2]) and torch.equal(normalized[1], floats[1])
