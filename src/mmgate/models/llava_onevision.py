@@ -126,9 +126,10 @@ class LlavaOnevisionFamily:
     """LLaVA-OneVision (``LlavaOnevisionForConditionalGeneration``, SigLIP + Qwen2): images and videos.
 
     ``video`` is None (and ``limits`` has no video entry) when PyAV is missing.  One video per
-    request: vLLM 0.33's OneVision processor handles several clips only item by item and its model
-    code documents one video per prompt (``LlavaOnevisionVideoPixelInputs``); the reference
-    processor pads videos of different lengths into one batch.
+    request is mmgate's own limit: vLLM 0.33 sets none (``get_supported_mm_limits`` -> ``None``) and
+    runs its processor clip by clip (``LlavaOnevisionMultiModalProcessor._call_hf_processor``, because
+    the transformers processor cannot batch clips of different lengths); one 32-frame clip is already
+    6273 tokens, so the limit bounds decode work and context before any fetch.
     """
 
     model_types = ("llava_onevision",)
