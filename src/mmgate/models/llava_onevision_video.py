@@ -22,6 +22,8 @@ Frames (``--video-frame-sampling``, :class:`~mmgate.models.backend.FrameSampling
 * ``vllm`` (default): as vLLM 0.33's OpenAI server loads a clip: ``VideoMediaIO(num_frames=32)`` ->
   ``vllm/multimodal/video.py`` ``OpenCVVideoBackend.load_bytes``: ``n = max(1, min(32, total))``
   frames, all of them when ``n == total``, else ``np.linspace(0, total - 1, n, dtype=int)``.
+  ``LlavaOnevisionMultiModalProcessor`` overrides no data parser, so its processor call
+  (``_call_hf_processor``, one clip at a time) gets those frames alone and keeps them all.
 * ``transformers``: every frame (the processor's ``do_sample_frames=False``).
 
 Wire layout: vLLM 0.33 ``llava_onevision.py`` ``_get_mm_fields_config``: ``pixel_values_videos``
