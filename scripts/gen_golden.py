@@ -52,6 +52,7 @@ sys.path.insert(0, str(REPO / "tests" / "families"))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from golden_reference import gemma3_golden, llava_golden, qwen_vl_golden  # noqa: E402
+from golden_llava_onevision import onevision_golden  # noqa: E402
 from parity_support import GOLDEN_DIR  # noqa: E402
 
 #: fixture name (``golden/<name>.json``) -> the builder of its content
@@ -60,6 +61,7 @@ FIXTURES: dict[str, Callable[[], dict]] = {
     "llava": lambda: llava_golden("llava-hf--llava-1.5-7b-hf"),
     "llava_next": lambda: llava_golden("llava-hf--llava-v1.6-mistral-7b-hf"),
     "gemma3": gemma3_golden,
+    "llava_onevision": onevision_golden,
 }
 
 

@@ -46,7 +46,8 @@ from tests.conftest import bundle_dir
 from tests.corpus.stack import RecordingProxy, WireRequest
 
 BUNDLES = {"gemma3": "google--gemma-3-4b-it", "llava": "llava-hf--llava-1.5-7b-hf",
-           "llava_next": "llava-hf--llava-v1.6-mistral-7b-hf"}
+           "llava_next": "llava-hf--llava-v1.6-mistral-7b-hf",
+           "llava_onevision": "llava-hf--llava-onevision-qwen2-0.5b-ov-hf"}
 STEPS = 4  # max_tokens of every request (and max_new_tokens of the reference)
 LOGPROB_TOLERANCE = 1e-4  # float32 noise between two processes running the same weights
 
@@ -227,3 +228,11 @@ def test_llava_next_images_of_different_tile_counts_equal_the_processor_and_gene
 @pytest.mark.parametrize("stack", ["llava_next"], indirect=True)
 def test_llava_next_one_image_equals_the_processor_and_generate(stack: Stack) -> None:
     _check_request(stack, [_png(500, 300, 9)], "Describe the image.")
+
+
+@pytest.mark.parametrize("stack", ["llava_onevision"], indirect=True)
+def test_llava_onevision_one_image_equals_the_processor_and_generate(stack: Stack) -> None:
+    # 500x300 (w x h) -> pinpoint 384x768 (base + 2 tiles of 384); the Qwen2 tokenizer adds no BOS
+    inputs = _check_request(stack, [_png(500, 300, 10)], "Describe the image.")
+    assert tuple(inputs["pixel_values"].shape) == (1, 3, 3, 384, 384)
+    assert inputs["image_sizes"].tolist() == [[300, 500]]

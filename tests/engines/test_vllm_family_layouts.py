@@ -85,6 +85,10 @@ CASES = {
     "gemma3": Case("google/gemma-3-4b-it", "gemma3", "<image_soft_token>",
                    {"pixel_values": Layout("flat", "num_patches"), "num_patches": BATCHED},
                    options={"do_pan_and_scan": True}),
+    # vllm/model_executor/models/llava_onevision.py (0.33) LlavaOnevisionMultiModalProcessor._get_mm_fields_config:
+    # pixel_values, image_sizes batched("image") (pixel_values_videos batched("video"): a video request)
+    "llava_onevision": Case("llava-hf/llava-onevision-qwen2-0.5b-ov-hf", "llava_onevision", "<image>",
+                            {"pixel_values": BATCHED, "image_sizes": BATCHED}),
 }
 
 #: two images: landscape 640x480 and a tall 300x1001 (Gemma 3 cuts crops from both with pan-and-scan)

@@ -301,4 +301,8 @@ FAMILIES: tuple[GoldenFamily, ...] = (
                  option_sets=({}, PAS_ON), replay_row=gemma3_row, replay_conversation=gemma3_conversation,
                  conversation_backends=("pil",), torch_free_row=lambda r: r["num_crops"] > 0,
                  row_id=_options_id),
+    GoldenFamily(name="llava_onevision", max_bytes=100_000, model_types=frozenset({"llava_onevision"}),
+                 option_sets=({},), replay_row=llava_row, replay_conversation=llava_conversation,
+                 conversation_backends=BACKENDS, torch_free_row=lambda r: r["image"] == "rgb_640x480",
+                 row_id=_backend_image),
 )

@@ -248,6 +248,7 @@ def test_every_family_row_is_named_by_its_model_type() -> None:
     (LLAVA, ("llava", 32064, 4096, [2], 1, 32001)),
     (LLAVA_NEXT, ("llava_next", 32064, 32768, [2], 1, -1)),
     (GEMMA3, ("gemma3", 262208, 131072, [1, 106], 2, 0)),
+    ("llava-hf--llava-onevision-qwen2-0.5b-ov-hf", ("llava_onevision", 152000, 32768, [151645], 151643, -1)),
 ])
 def test_model_info_reports_each_bundles_own_facts(
     name: str, expected: tuple, engine_for: Callable[[Path], RunningEngine]

@@ -187,6 +187,14 @@ GEMMA3_SHRINK: Final = ShrinkSpec(
     # the head tied to the embeddings a random model's argmax is always the last prompt token
     overrides=MappingProxyType({"tie_word_embeddings": False, "text.tie_word_embeddings": False}),
 )
+LLAVA_ONEVISION_SHRINK: Final = ShrinkSpec(
+    text=_DECODER, vision=_VIT, rules=_TEXT_RULES + ("vision_feature_layer",),
+    # the tile grid (image_size / patch_size = 27 patches a side), the pinpoints, the anyres-max cap and
+    # the video pooling all read vision geometry and top-level fields that must not change
+    keep=("image_token_index", "video_token_index", "vision_feature_select_strategy", "image_grid_pinpoints",
+          "vision_aspect_ratio", "use_image_newline_parameter", "vision.image_size", "vision.patch_size",
+          "vision.num_channels", "vision.vision_use_head") + _TEXT_IDS,
+)
 
 # ---- the table ------------------------------------------------------------------------------
 
@@ -206,6 +214,8 @@ ENGINE_FAMILIES: Final[Mapping[str, EngineFamily]] = MappingProxyType({
     # bidirectionally (get_block_sequence_ids_for_mask); Gemma3Processor sets 1 on image_token_id
     "gemma3": EngineFamily("gemma3", GEMMA3_SHRINK, TokenTypes("token_type_ids", image=1),
                            RawLayout.CHANNELS_FIRST),
+    # transformers 5.24 LlavaOnevisionForConditionalGeneration takes no token types
+    "llava_onevision": EngineFamily("llava_onevision", LLAVA_ONEVISION_SHRINK, None, RawLayout.CHANNELS_FIRST),
 })
 
 
