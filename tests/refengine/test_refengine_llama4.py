@@ -175,7 +175,7 @@ def test_the_fix_is_applied_only_while_the_installed_source_has_the_bug() -> Non
 
 def test_llama4_inputs_are_the_flat_tiles_and_the_bookkeeping_keys_are_dropped() -> None:
     bundle = require_bundle(LLAMA4)
-    out = _outputs([random_image(700, 400)])  # a 1x2 canvas (two tiles) + the global tile
+    out = _outputs([random_image(700, 400)])  # a 2x3 canvas (six tiles) + the global tile
     request = generate_request(out["input_ids"][0].tolist(), wire_batch(out))
     inputs = build_model_inputs(request, _reference_model(), LazyTokenizer(bundle))
     assert set(inputs.mm_kwargs) == {"pixel_values"}
