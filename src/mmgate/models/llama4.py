@@ -344,7 +344,11 @@ class Llama4Family(ImageOnlyFamily[Llama4Images]):
             tokens_per_tile=(tile // patch_size) * (tile // patch_size) // int(round(1.0 / shuffle**2)))
         names = {k: str(proc_cfg.get(k, v)) for k, v in _TOKEN_DEFAULTS.items()}
         strings = tuple(names.values())
-        tokens = Llama4Tokens(*(_token(tokenizer, s, bundle) for s in strings), strings=strings)
+        ids = {k: _token(tokenizer, v, bundle) for k, v in names.items()}
+        tokens = Llama4Tokens(image=ids["image_token"], start=ids["start_of_image_token"],
+                              end=ids["end_of_image_token"], patch=ids["patch_token"],
+                              tile_x=ids["tile_x_separator_token"], tile_y=ids["tile_y_separator_token"],
+                              strings=strings)
         configured = bundle.config.get("image_token_index")
         if configured is not None and int(configured) != tokens.patch:
             raise GatewayError(ErrorCode.INTERNAL_ERROR, f"bundle {bundle.name!r}: image_token_index {configured} is "

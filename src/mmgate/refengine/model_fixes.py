@@ -40,7 +40,7 @@ LLAMA4_BUGGY_LINE = "image_outputs=outputs.image_outputs"
 def llama4_forward_is_buggy(cls: type) -> bool:
     """Whether ``cls.forward`` (decorators unwrapped) still holds :data:`LLAMA4_BUGGY_LINE`."""
     try:
-        source = inspect.getsource(inspect.unwrap(cls.forward))
+        source = inspect.getsource(inspect.unwrap(getattr(cls, "forward")))
     except (OSError, TypeError):
         return False
     return LLAMA4_BUGGY_LINE in "".join(source.split())
@@ -61,9 +61,11 @@ def _fix_llama4_image_outputs(model: torch.nn.Module) -> None:
         if not isinstance(output, tuple) and not hasattr(output, "image_outputs"):
             output.image_outputs = noted["image"]
 
+    vision_model: torch.nn.Module = getattr(model, "vision_model")
+    language_model: torch.nn.Module = getattr(model, "language_model")
     model.register_forward_pre_hook(before, with_kwargs=True)
-    model.vision_model.register_forward_hook(tower)
-    model.language_model.register_forward_hook(language)
+    vision_model.register_forward_hook(tower)
+    language_model.register_forward_hook(language)
 
 
 def apply_model_fixes(model: torch.nn.Module) -> tuple[str, ...]:
