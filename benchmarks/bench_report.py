@@ -32,13 +32,14 @@ QWEN_BUNDLES = {
 }
 
 #: bundle folder -> short label, one or more bundles per registered family
-#: (``mmgate.models.registry.FAMILY_MODULES``): the Qwen-VL bundles, LLaVA-1.5, LLaVA-NeXT, Gemma 3, LLaVA-OneVision
+#: (``mmgate.models.registry.FAMILY_MODULES``): the Qwen-VL bundles, LLaVA-1.5, LLaVA-NeXT, Gemma 3, LLaVA-OneVision, Llama 4
 FAMILY_BUNDLES = {
     **QWEN_BUNDLES,
     "llava-hf--llava-1.5-7b-hf": "llava",
     "llava-hf--llava-v1.6-mistral-7b-hf": "llava_next",
     "google--gemma-3-4b-it": "gemma3",
     "llava-hf--llava-onevision-qwen2-0.5b-ov-hf": "llava_onevision",
+    "meta-llama--Llama-4-Scout-17B-16E-Instruct": "llama4",
 }
 
 #: name -> (width, height)

@@ -1,7 +1,7 @@
 """Image preprocessing throughput per family: mmgate against the transformers processors and a floor.
 
 For each model bundle (``--models``, default every bundle of ``bench_report.FAMILY_BUNDLES``: the
-three Qwen-VL bundles, LLaVA-1.5, LLaVA-NeXT, Gemma 3, at least one per family registered in
+three Qwen-VL bundles, LLaVA-1.5, LLaVA-NeXT, Gemma 3, Llama 4, at least one per family registered in
 ``mmgate.models.registry``) and each JPEG size (640x480, 1280x960), one process measures,
 interleaved, these contenders on the same encoded bytes (decode is included in every one):
 
@@ -19,6 +19,9 @@ interleaved, these contenders on the same encoded bytes (decode is included in e
   passes its image processor: ``Gemma3Processor`` -> ``do_convert_rgb=True``, pan-and-scan off;
   ``LlavaNextProcessor`` -> ``do_pad=True``, its image processor's default; none for Qwen-VL and
   LLaVA-1.5).  This is the only per-family difference, and it lives in transformers' classes.
+  Llama 4 has one image processor (``Llama4ImageProcessor``, torchvision; ``backend="pil"`` falls
+  back to it in transformers itself) whose ``pixel_values`` are bfloat16: it is called with
+  ``return_tensors="pt"`` (numpy has no bfloat16) and compared as float32 values.
 * ``floor`` (generic, every family): Pillow JPEG decode + ``convert("RGB")`` + ONE resize to the
   plan's ``resized_hw`` with the filter the bundle's ``preprocessor_config.json`` names
   (``resample``; bicubic when absent) + one write of a float32 array of the size of the item's
@@ -116,10 +119,29 @@ def mmgate_fn(family: Any, data: bytes) -> Callable[[], dict[str, np.ndarray]]:
 
 
 def hf_fn(processor: Any, kwargs: dict[str, Any], data: bytes) -> Callable[[], Any]:
+    tensors = _return_tensors(processor, kwargs, data)
+
     def run() -> Any:
-        return processor(images=[Image.open(io.BytesIO(data))], **kwargs, return_tensors="np")
+        return processor(images=[Image.open(io.BytesIO(data))], **kwargs, return_tensors=tensors)
 
     return run
+
+
+def _return_tensors(processor: Any, kwargs: dict[str, Any], data: bytes) -> str:
+    """``"np"``, or ``"pt"`` where the processor's output has no numpy form (Llama 4's bfloat16
+    ``pixel_values``: ``Llama4ImageProcessor.rescale_and_normalize`` computes in bfloat16)."""
+    try:
+        processor(images=[Image.open(io.BytesIO(data))], **kwargs, return_tensors="np")
+    except (TypeError, ValueError):
+        return "pt"
+    return "np"
+
+
+def _as_numpy(value: Any) -> np.ndarray:
+    """A reference tensor as numpy (a torch bfloat16 tensor as its float32 values, exact)."""
+    if hasattr(value, "float") and str(getattr(value, "dtype", "")) == "torch.bfloat16":
+        return value.float().numpy()
+    return np.asarray(value)
 
 
 def floor_fn(data: bytes, resized_hw: tuple[int, int], out_shape: tuple[int, ...], resample: int) -> Callable[[], np.ndarray]:
@@ -201,7 +223,7 @@ def check_parity(cell: Cell) -> tuple[list[str], bool]:
     for be in BACKENDS:
         ours = cell.fns[f"mmgate/{be}"]()
         ref = cell.fns[f"hf/{be}"]()
-        primary, ref_primary = ours["__primary__"], np.asarray(ref["pixel_values"])
+        primary, ref_primary = ours["__primary__"], _as_numpy(ref["pixel_values"])
         head = f"{cell.family} {cell.size} {be}:"
         if primary.shape != ref_primary.shape or primary.dtype != ref_primary.dtype:
             lines.append(f"{head} MISMATCH primary {primary.dtype}{primary.shape} vs reference "

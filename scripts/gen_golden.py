@@ -22,6 +22,10 @@ transformers.  One fixture per entry of :data:`FIXTURES` (the reference side of 
   shape, sha256 and probe values; per conversation the ids of ``processor(text=prompt,
   add_special_tokens=False, **options)`` and the ranges vLLM's ``_find_mm_placeholders`` finds;
   whether the plain processor call adds a second ``<bos>``.
+* ``llama4.json`` (``scripts/golden_llama4.py``): torchvision rows only (transformers has no PIL
+  Llama 4 image processor): canvas, resize size, ``aspect_ratios``, ``<|patch|>`` count, the
+  bfloat16 ``pixel_values`` as float32 sha256 and probes; conversations from
+  ``apply_chat_template(tokenize=True)``.
 
 Both image backends everywhere (``torchvision``: ``AutoProcessor.from_pretrained(bundle)
 .image_processor``; ``pil``: ``AutoImageProcessor.from_pretrained(bundle, backend="pil")``).
@@ -53,6 +57,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from golden_reference import gemma3_golden, llava_golden, qwen_vl_golden  # noqa: E402
 from golden_llava_onevision import onevision_golden  # noqa: E402
+from golden_llama4 import llama4_golden  # noqa: E402
 from parity_support import GOLDEN_DIR  # noqa: E402
 
 #: fixture name (``golden/<name>.json``) -> the builder of its content
@@ -62,6 +67,7 @@ FIXTURES: dict[str, Callable[[], dict]] = {
     "llava_next": lambda: llava_golden("llava-hf--llava-v1.6-mistral-7b-hf"),
     "gemma3": gemma3_golden,
     "llava_onevision": onevision_golden,
+    "llama4": llama4_golden,
 }
 
 

@@ -1,4 +1,4 @@
-"""End to end for the Gemma 3, LLaVA-1.5 and LLaVA-NeXT families: the official ``openai`` client ->
+"""End to end for the Gemma 3, LLaVA-1.5, LLaVA-NeXT and Llama 4 families: the official ``openai`` client ->
 gateway process -> recording gRPC proxy -> reference engine process (vLLM wire, loopback).
 
 The engine runs each bundle's transformers model shrunken with seeded random weights
@@ -47,7 +47,8 @@ from tests.corpus.stack import RecordingProxy, WireRequest
 
 BUNDLES = {"gemma3": "google--gemma-3-4b-it", "llava": "llava-hf--llava-1.5-7b-hf",
            "llava_next": "llava-hf--llava-v1.6-mistral-7b-hf",
-           "llava_onevision": "llava-hf--llava-onevision-qwen2-0.5b-ov-hf"}
+           "llava_onevision": "llava-hf--llava-onevision-qwen2-0.5b-ov-hf",
+           "llama4": "meta-llama--Llama-4-Scout-17B-16E-Instruct"}
 STEPS = 4  # max_tokens of every request (and max_new_tokens of the reference)
 LOGPROB_TOLERANCE = 1e-4  # float32 noise between two processes running the same weights
 
@@ -126,7 +127,10 @@ def _reference_inputs(bundle: Path, images: list[bytes], text: str, **processor_
         *({"type": "image", "image": Image.open(io.BytesIO(b))} for b in images), {"type": "text", "text": text}]}]
     out = _processor(bundle).apply_chat_template(conversation, tokenize=True, add_generation_prompt=True,
                                                  return_dict=True, return_tensors="pt", **processor_kwargs)
-    return dict(out)
+    out = dict(out)
+    # Llama 4's processor returns its bfloat16 values; the wire and the float32 model take them as float32
+    out["pixel_values"] = out["pixel_values"].float()
+    return out
 
 
 def _reference_generation(bundle: Path, inputs: dict[str, Any]) -> tuple[list[int], list[float]]:
@@ -236,3 +240,14 @@ def test_llava_onevision_one_image_equals_the_processor_and_generate(stack: Stac
     inputs = _check_request(stack, [_png(500, 300, 10)], "Describe the image.")
     assert tuple(inputs["pixel_values"].shape) == (1, 3, 3, 384, 384)
     assert inputs["image_sizes"].tolist() == [[300, 500]]
+
+
+@pytest.mark.parametrize("stack", ["llama4"], indirect=True)
+def test_llama4_tiled_and_single_tile_images_equal_the_processor_and_generate(stack: Stack) -> None:
+    # 700x400 (w x h): the least upscaling >= 1 is 1008 / 700 = 1.44 (2x3 and 3x3 tiles; the smaller
+    # area wins): canvas 2x3, the image kept at its size and zero-padded, 6 tiles + the global tile;
+    # 64x48: one tile, no global tile.  144 <|patch|> per tile; the run's separators are not embedded
+    inputs = _check_request(stack, [_png(700, 400, 10), _png(64, 48, 11)], "Compare the two pictures.")
+    assert tuple(inputs["pixel_values"].shape) == (8, 3, 336, 336)
+    assert int((inputs["input_ids"] == 200092).sum()) == 8 * 144
+    assert int((inputs["input_ids"] == 200084).sum()) == 2 * 2  # <|tile_x_separator|>: 2 per row of 3 tiles

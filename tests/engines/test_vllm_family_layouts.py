@@ -89,6 +89,13 @@ CASES = {
     # pixel_values, image_sizes batched("image") (pixel_values_videos batched("video"): a video request)
     "llava_onevision": Case("llava-hf/llava-onevision-qwen2-0.5b-ov-hf", "llava_onevision", "<image>",
                             {"pixel_values": BATCHED, "image_sizes": BATCHED}),
+    # vllm/model_executor/models/mllama4.py Mllama4MultiModalProcessor: _call_hf_processor adds
+    # aspect_ratios and patches_per_image; _get_mm_fields_config: pixel_values
+    # flat_from_sizes("image", patches_per_image), patches_per_image and aspect_ratios batched;
+    # _get_prompt_updates: select_text(repl, "<|patch|>"), so is_embed marks <|patch|> in the run
+    "llama4": Case("meta-llama/Llama-4-Scout-17B-16E-Instruct", "llama4", "<|patch|>",
+                   {"pixel_values": Layout("flat", "patches_per_image"), "patches_per_image": BATCHED,
+                    "aspect_ratios": BATCHED}),
 }
 
 #: two images: landscape 640x480 and a tall 300x1001 (Gemma 3 cuts crops from both with pan-and-scan)

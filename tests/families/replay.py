@@ -1,7 +1,7 @@
 """The golden tier's harness: every fixture in ``golden/`` replayed through mmgate, without transformers.
 
 In: a fixture written by ``scripts/gen_golden.py`` (one per family: ``qwen_vl``, ``llava``,
-``llava_next``, ``gemma3``); the image bytes are regenerated from its ``images`` entries
+``llava_next``, ``gemma3``, ``llama4``); the image bytes are regenerated from its ``images`` entries
 (``parity_support.ImageSpec``), decoded by ``decode_image`` and run through the family the
 registry builds for the row's bundle and backend (``plan`` -> ``preprocess`` -> ``assemble``).
 Out: assertions, one fixture row or conversation at a time, by the fixture's :class:`GoldenFamily`.
@@ -253,6 +253,55 @@ def gemma3_conversation(name: str, conv: dict, backend: str) -> None:
             assert rep.embed_offset == 2 and set(tok.decode([ids[start]], skip_special_tokens=False)) == {"\n"}
 
 
+# ---------------------------------------------------------------- Llama 4
+
+
+def llama4_row(name: str, row: dict) -> None:
+    """Canvas, resize size, ``aspect_ratios``, ``<|patch|>`` count, the batch's keys, probe and sha256."""
+    proc = family_for(row["bundle"], row["backend"]).image
+    label = row_label(name, row)
+    image = decoded(name, row["image"])
+    plan = proc.plan(image.height, image.width)
+    tile = golden(name)["bundles"][0]["size"]["height"]
+    assert [d * tile for d in plan.detail] == row["canvas"] and list(plan.detail) == row["aspect_ratios"], label
+    assert list(plan.resized_hw) == row["resized_hw"], label
+    assert plan.num_tokens == row["num_image_tokens"], label
+    batch = assemble(proc, [plan], [proc.preprocess(image, plan)])
+    pv = batch.tensors["pixel_values"]
+    assert set(batch.tensors) == {"pixel_values", "patches_per_image", "aspect_ratios"}, label  # vLLM's keys
+    assert pv.dtype == np.float32 and list(pv.shape) == row["pixel_values_shape"], label
+    assert batch.tensors["patches_per_image"].tolist() == [row["pixel_values_shape"][0]], label
+    assert batch.tensors["aspect_ratios"].tolist() == [row["aspect_ratios"]], label
+    assert probe8(pv) == row["pixel_values_probe"], f"{label}: probe values differ {versions_note(name)}"
+    assert sha256_f32le(pv) == row["pixel_values_sha256"], f"{label}: pixel_values differ {versions_note(name)}"
+
+
+def llama4_conversation(name: str, conv: dict, backend: str) -> None:
+    """Rendered prompt, ids (each ``<|image|>`` spliced with the whole run), each range the whole run
+    holding its ``<|patch|>`` tokens, the batch."""
+    bundle, tok = bundle_and_tokenizer(conv["bundle"])
+    proc = family_for(conv["bundle"], backend).image
+    prompt = render_chat(bundle.chat_template, template_messages(conv["turns"], flatten_text_turns=False),
+                         tok.special_tokens)
+    assert prompt == conv["prompt"]
+    anchored = tok.encode_prompt(prompt)
+    images = [decoded(name, n) for n in conv["images"]]
+    plans = [proc.plan(im.height, im.width) for im in images]
+    reps = [proc.expand(pl) for pl in plans]
+    ids, ranges = splice_all(anchored, {proc.anchor_token_id: reps})
+    patch = proc.placeholder_token_id
+    assert collapse_runs(ids, patch) == (conv["input_ids_collapsed"], conv["patch_runs"])
+    assert len(ids) == conv["input_ids_len"] and ids.count(patch) == conv["num_image_tokens"]
+    assert sha256_ids(ids) == conv["input_ids_sha256"]
+    for r, pl, rep in zip(ranges[proc.anchor_token_id], plans, reps):
+        window = ids[r.offset:r.offset + r.length]
+        assert tuple(window) == rep.token_ids and window.count(patch) == pl.num_tokens
+    batch = assemble(proc, plans, [proc.preprocess(im, pl) for im, pl in zip(images, plans)])
+    assert list(batch.tensors["pixel_values"].shape) == conv["pixel_values_shape"]
+    assert batch.tensors["aspect_ratios"].tolist() == conv["aspect_ratios"]
+    assert sha256_f32le(batch.tensors["pixel_values"]) == conv["pixel_values_sha256"]
+
+
 # ---------------------------------------------------------------- the table
 
 
@@ -269,6 +318,8 @@ class GoldenFamily:
     conversation_backends: tuple[str, ...]  # the backends each conversation is replayed on
     torch_free_row: Callable[[dict], bool]  # picks the pil row replayed with torch unimportable
     row_id: Callable[[dict], str]
+    #: the backends the reference has (rows and the torch-free check); Llama 4: torchvision only
+    backends: tuple[str, ...] = BACKENDS
 
 
 def _options_id(row: dict) -> str:
@@ -305,4 +356,8 @@ FAMILIES: tuple[GoldenFamily, ...] = (
                  option_sets=({},), replay_row=llava_row, replay_conversation=llava_conversation,
                  conversation_backends=BACKENDS, torch_free_row=lambda r: r["image"] == "rgb_640x480",
                  row_id=_backend_image),
+    GoldenFamily(name="llama4", max_bytes=100_000, model_types=frozenset({"llama4"}),
+                 option_sets=({},), replay_row=llama4_row, replay_conversation=llama4_conversation,
+                 conversation_backends=("torchvision",), torch_free_row=lambda r: r["image"] == "rgb_640x480",
+                 row_id=_backend_image, backends=("torchvision",)),
 )

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 from parity_support import GOLDEN_DIR, find_bundle_dir, sha256_rgb
-from replay import BACKENDS, FAMILIES, GoldenFamily, decoded, golden, spec_of, versions_note
+from replay import FAMILIES, GoldenFamily, decoded, golden, spec_of, versions_note
 
 BY_NAME = {f.name: f for f in FAMILIES}
 FAMILY_PARAMS = [pytest.param(f, id=f.name) for f in FAMILIES]
@@ -50,7 +50,7 @@ def test_golden_file_is_small_and_covers_every_bundle_backend_image_and_option_s
     keys = {(r["bundle"], r["backend"], r["image"], json.dumps(r.get("options", {}), sort_keys=True))
             for r in fixture["rows"]}
     wanted = {(b["bundle"], be, img["name"], json.dumps(opts, sort_keys=True)) for b in fixture["bundles"]
-              for be in BACKENDS for img in fixture["images"] for opts in family.option_sets}
+              for be in family.backends for img in fixture["images"] for opts in family.option_sets}
     assert wanted <= keys
     assert {r[:3] for r in keys} == {w[:3] for w in wanted}  # no row of another bundle, backend or image
     assert {b["model_type"] for b in fixture["bundles"]} == family.model_types
@@ -78,7 +78,8 @@ def test_expanded_input_ids_equal_the_reference_chat(name: str, conv: dict, back
 @pytest.mark.parametrize("family", FAMILY_PARAMS)
 def test_pil_backend_runs_without_transformers_or_torch(family: GoldenFamily) -> None:
     """The golden tier's core claim: mmgate's PIL path needs neither transformers nor torch."""
-    row = next(r for r in golden(family.name)["rows"] if r["backend"] == "pil" and family.torch_free_row(r))
+    row = next(r for r in golden(family.name)["rows"]
+               if r["backend"] == family.backends[0] and family.torch_free_row(r))
     if find_bundle_dir(row["bundle"]) is None:
         pytest.skip(f"model bundle {row['bundle']} not on the model search path")
     img = next(i for i in golden(family.name)["images"] if i["name"] == row["image"])
@@ -99,7 +100,7 @@ def test_pil_backend_runs_without_transformers_or_torch(family: GoldenFamily) ->
         from mmgate.models.backend import ImageBackend
         from mmgate.types import ItemHints
         bundle = load_bundle(Path(find_bundle_dir({row['bundle']!r})))
-        proc = load_family(bundle, load_tokenizer(bundle), ImageBackend.PIL).image
+        proc = load_family(bundle, load_tokenizer(bundle), ImageBackend({row['backend']!r})).image
         decoded = decode_image(ImageSpec({img['width']}, {img['height']}, {img['mode']!r}, {img['seed']},
                                          {img['format']!r}).encode(), 10**9)
         options = tuple(sorted({row.get('options', {})!r}.items()))

@@ -1,7 +1,8 @@
 """Tier (b): every family's image corpus through mmgate and transformers, one test for all.
 
 Parametrized over the ``LIVE`` declaration of each family's live module
-(``test_qwen_vl_live_parity``, ``test_llava_live_parity``, ``test_gemma3_live_parity``: the cases,
+(``test_qwen_vl_live_parity``, ``test_llava_live_parity``, ``test_gemma3_live_parity``,
+``test_llama4_live_parity``: the cases,
 corpora, one comparison and the family's summary checks) and both image backends, run by
 ``live_support.run_live``: ``pixel_values`` (and the auxiliary tensors) identical to the
 reference's, max |diff| exactly 0, refusals exactly where the family expects them.
@@ -22,6 +23,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("torchvision")
 
 import test_gemma3_live_parity as gemma3  # noqa: E402
+import test_llama4_live_parity as llama4  # noqa: E402
 import test_llava_live_parity as llava  # noqa: E402
 import test_llava_onevision_live_parity as llava_onevision  # noqa: E402
 import test_qwen_vl_live_parity as qwen_vl  # noqa: E402
@@ -29,7 +31,7 @@ from live_support import BACKENDS, LiveFamily, run_live  # noqa: E402
 
 from mmgate.models.backend import ImageBackend  # noqa: E402
 
-FAMILIES: tuple[LiveFamily, ...] = (qwen_vl.LIVE, llava.LIVE, gemma3.LIVE, llava_onevision.LIVE)
+FAMILIES: tuple[LiveFamily, ...] = (qwen_vl.LIVE, llava.LIVE, gemma3.LIVE, llava_onevision.LIVE, llama4.LIVE)
 
 
 def _params(with_sample: bool) -> list:

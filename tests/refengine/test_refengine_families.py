@@ -54,6 +54,7 @@ from tests.refengine.refengine_support import (
 LLAVA = "llava-hf--llava-1.5-7b-hf"
 LLAVA_NEXT = "llava-hf--llava-v1.6-mistral-7b-hf"
 GEMMA3 = "google--gemma-3-4b-it"
+LLAMA4 = "meta-llama--Llama-4-Scout-17B-16E-Instruct"  # its own tests: test_refengine_llama4.py
 FAMILY_BUNDLES = (LLAVA, LLAVA_NEXT, GEMMA3)
 STEPS = 6
 
@@ -227,7 +228,8 @@ def test_a_media_model_type_without_a_row_is_not_shrunk() -> None:
 
 @pytest.mark.parametrize(("name", "cls"), [(LLAVA, "LlavaForConditionalGeneration"),
                                            (LLAVA_NEXT, "LlavaNextForConditionalGeneration"),
-                                           (GEMMA3, "Gemma3ForConditionalGeneration")])
+                                           (GEMMA3, "Gemma3ForConditionalGeneration"),
+                                           (LLAMA4, "Llama4ForConditionalGeneration")])
 def test_the_model_class_is_the_architecture_which_auto_image_text_to_text_also_picks(name: str, cls: str) -> None:
     config = AutoConfig.from_pretrained(require_bundle(name))
     mapping = transformers.AutoModelForImageTextToText._model_mapping  # type: ignore[attr-defined]
@@ -236,7 +238,7 @@ def test_the_model_class_is_the_architecture_which_auto_image_text_to_text_also_
 
 
 def test_every_family_row_is_named_by_its_model_type() -> None:
-    assert {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "gemma3"} <= set(ENGINE_FAMILIES)
+    assert {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "gemma3", "llama4"} <= set(ENGINE_FAMILIES)
     assert all(row.name == model_type for model_type, row in ENGINE_FAMILIES.items())
 
 
@@ -249,6 +251,7 @@ def test_every_family_row_is_named_by_its_model_type() -> None:
     (LLAVA_NEXT, ("llava_next", 32064, 32768, [2], 1, -1)),
     (GEMMA3, ("gemma3", 262208, 131072, [1, 106], 2, 0)),
     ("llava-hf--llava-onevision-qwen2-0.5b-ov-hf", ("llava_onevision", 152000, 32768, [151645], 151643, -1)),
+    (LLAMA4, ("llama4", 202048, 10485760, [200001, 200007, 200008], 200000, 200018)),
 ])
 def test_model_info_reports_each_bundles_own_facts(
     name: str, expected: tuple, engine_for: Callable[[Path], RunningEngine]

@@ -30,5 +30,6 @@ def reference_ids(processor: Any, image: bytes | None, text: str, setting: str) 
                                             images=images)
         return [int(i) for i in np.asarray(out["input_ids"]).reshape(-1)]
     rendered = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    out = processor(text=[rendered], images=images, add_special_tokens=setting == "true", return_tensors="np")
+    # "pt": Llama 4's bfloat16 pixel_values have no numpy form
+    out = processor(text=[rendered], images=images, add_special_tokens=setting == "true", return_tensors="pt")
     return [int(i) for i in out["input_ids"][0]]

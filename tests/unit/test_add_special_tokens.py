@@ -3,7 +3,8 @@ request gets, in process (``Pipeline.prepare``: what the gateway sends an engine
 what it forwards with media references to a worker).
 
 Expected ids come from transformers, never from mmgate, for LLaVA-1.5 (its template renders no
-``<s>``), Gemma 3 (its template starts with ``<bos>``) and Qwen2-VL (no BOS token at all):
+``<s>``), Gemma 3 (its template starts with ``<bos>``), Qwen2-VL (no BOS token at all) and Llama 4
+(its template starts with ``<|begin_of_text|>``):
 
 * field absent: ``processor.apply_chat_template(tokenize=True)``, the reference's rule (BOS unless
   the rendered template starts with it);
@@ -13,7 +14,8 @@ Expected ids come from transformers, never from mmgate, for LLaVA-1.5 (its templ
 
 Facts these pin (transformers 5.24, the bundles in ``MMGATE_MODEL_PATH``): LLaVA-1.5 false = one
 token fewer (no ``<s>``), true = absent; Gemma 3 false = absent, true = one more (a second
-``<bos>``); Qwen2-VL the same ids for all three.  (End to end with ``usage.prompt_tokens``:
+``<bos>``); Qwen2-VL the same ids for all three; Llama 4 as Gemma 3 (its template starts with
+``<|begin_of_text|>``: true adds a second one).  (End to end with ``usage.prompt_tokens``:
 tests/e2e/test_add_special_tokens_e2e.py.)
 """
 
@@ -37,9 +39,11 @@ from mmgate.request.parse import parse_chat_request
 from tests.conftest import bundle_dir
 from tests.support.special_tokens import SETTINGS, reference_ids
 
-BUNDLES = ["llava-hf/llava-1.5-7b-hf", "google/gemma-3-4b-it", "Qwen/Qwen2-VL-2B-Instruct"]
+BUNDLES = ["llava-hf/llava-1.5-7b-hf", "google/gemma-3-4b-it", "Qwen/Qwen2-VL-2B-Instruct",
+           "meta-llama/Llama-4-Scout-17B-16E-Instruct"]
 #: tokens the field adds or removes against the reference's rule, per bundle: (false, true)
-DELTA = {"llava-hf/llava-1.5-7b-hf": (-1, 0), "google/gemma-3-4b-it": (0, 1), "Qwen/Qwen2-VL-2B-Instruct": (0, 0)}
+DELTA = {"llava-hf/llava-1.5-7b-hf": (-1, 0), "google/gemma-3-4b-it": (0, 1), "Qwen/Qwen2-VL-2B-Instruct": (0, 0),
+         "meta-llama/Llama-4-Scout-17B-16E-Instruct": (0, 1)}
 
 
 def _png(width: int, height: int) -> bytes:

@@ -38,6 +38,7 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig, PreTrai
 
 from mmgate.refengine.config import EngineConfig
 from mmgate.refengine.families import ENGINE_FAMILIES, EngineFamily, engine_family
+from mmgate.refengine.model_fixes import apply_model_fixes
 from mmgate.refengine.shrink import redraw_parameters, shrink_config
 
 logger = logging.getLogger(__name__)
@@ -232,6 +233,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     else:
         model = cls.from_pretrained(path, dtype=torch.float32)
     model = model.float().eval()
+    for fix in apply_model_fixes(model):  # a bug of the installed transformers' class (model_fixes.py)
+        logger.warning("reference engine: applied fix %s to %s", fix, type(model).__name__)
     model.generation_config = GenerationConfig()
     facts = read_facts(path, hf_config, config.model_name, random_weights)
     params = frozenset(inspect.signature(model.forward).parameters)

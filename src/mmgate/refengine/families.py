@@ -196,6 +196,21 @@ LLAVA_ONEVISION_SHRINK: Final = ShrinkSpec(
           "vision.num_channels", "vision.vision_use_head") + _TEXT_IDS,
 )
 
+LLAMA4_SHRINK: Final = ShrinkSpec(
+    # the MoE decoder keeps 4 experts (top-1 routing, a shared expert) at the table's widths
+    text=_frozen({**_DECODER, "intermediate_size_mlp": TEXT_INTERMEDIATE, "num_local_experts": 4}),
+    # pixel shuffle 0.5 turns the tower width into 4x the channels: intermediate_size = 4 x hidden_size
+    # (Llama4VisionMLP2.fc1's input); the projector's dims (input = output = vision_output_dim) stay equal
+    vision=_frozen({"num_hidden_layers": VISION_DEPTH, "hidden_size": VISION_HIDDEN, "num_attention_heads": VISION_HEADS,
+                    "intermediate_size": 4 * VISION_HIDDEN, "vision_output_dim": 2 * VISION_HIDDEN,
+                    "projector_input_dim": 2 * VISION_HIDDEN, "projector_output_dim": 2 * VISION_HIDDEN}),
+    # layer_types keeps one chunked (RoPE) and one full (NoPE) layer; no_rope_layers and moe_layers follow
+    rules=_TEXT_RULES + ("no_rope_layers", "moe_layers"),
+    keep=("image_token_index", "boi_token_index", "eoi_token_index", "text.attention_chunk_size",
+          "text.rope_parameters", "vision.image_size", "vision.patch_size", "vision.num_channels",
+          "vision.pixel_shuffle_ratio") + _TEXT_IDS,
+)
+
 # ---- the table ------------------------------------------------------------------------------
 
 #: transformers 5.24 ``ProcessorMixin.create_mm_token_type_ids``: 1 image, 2 video (Qwen-VL's M-RoPE reads it)
@@ -216,6 +231,9 @@ ENGINE_FAMILIES: Final[Mapping[str, EngineFamily]] = MappingProxyType({
                            RawLayout.CHANNELS_FIRST),
     # transformers 5.24 LlavaOnevisionForConditionalGeneration takes no token types
     "llava_onevision": EngineFamily("llava_onevision", LLAVA_ONEVISION_SHRINK, None, RawLayout.CHANNELS_FIRST),
+    # Llama4ForConditionalGeneration takes no token types; its pixels are bfloat16 values the engine
+    # does not reproduce on device (raw_layout None); forward's last line needs a fix (model_fixes.py)
+    "llama4": EngineFamily("llama4", LLAMA4_SHRINK, None, None),
 })
 
 

@@ -45,7 +45,10 @@ each is a no-op where its field is absent:
   * ``vision_feature_layer``: LLaVA's index into the tower's hidden states stays
     valid: a negative index is kept while the tower has that many layers (-2
     stays -2), else it names the first layer; a positive one is rescaled in
-    proportion (0, the embeddings, stays 0).
+    proportion (0, the embeddings, stays 0);
+  * ``no_rope_layers``: Llama 4's per-layer RoPE flags follow the new ``layer_types``
+    (1 on ``chunked_attention``, 0 on ``full_attention``);
+  * ``moe_layers``: Llama 4's MoE layer indices below the new depth (at least the last).
 """
 
 from __future__ import annotations
@@ -214,6 +217,31 @@ def _vision_feature_layer(shrunk: PretrainedConfig, original: PretrainedConfig) 
         shrunk.vision_feature_layer = [rescale_feature_layer(int(v), old, new) for v in value]
 
 
+def _no_rope_layers(shrunk: PretrainedConfig, original: PretrainedConfig) -> None:
+    """Llama 4: ``no_rope_layers[i]`` (1: the layer uses RoPE and chunked attention) follows the
+    shrunken ``layer_types`` as ``Llama4TextConfig.__post_init__`` derives one from the other."""
+    text = shrunk.get_text_config()
+    flags = getattr(text, "no_rope_layers", None)
+    if not flags:
+        return
+    types = list(getattr(text, "layer_types", None) or ())
+    if types and getattr(text, "attention_chunk_size", None) is not None:
+        text.no_rope_layers = [int(t == "chunked_attention") for t in types]
+    else:
+        text.no_rope_layers = list(flags[:text.num_hidden_layers])
+
+
+def _moe_layers(shrunk: PretrainedConfig, original: PretrainedConfig) -> None:
+    """Llama 4: the MoE layer indices that still exist (at least the last layer, so the experts
+    stay exercised)."""
+    text = shrunk.get_text_config()
+    layers = getattr(text, "moe_layers", None)
+    if layers is None:
+        return
+    n = int(text.num_hidden_layers)
+    text.moe_layers = [i for i in layers if i < n] or [n - 1]
+
+
 #: rule name -> rule; ``ShrinkSpec.rules`` names them
 RULES: dict[str, Callable[[PretrainedConfig, PretrainedConfig], None]] = {
     "layer_types": _layer_types,
@@ -224,6 +252,8 @@ RULES: dict[str, Callable[[PretrainedConfig, PretrainedConfig], None]] = {
     "fullatt_block_indexes": _fullatt_block_indexes,
     "deepstack_visual_indexes": _deepstack_visual_indexes,
     "vision_feature_layer": _vision_feature_layer,
+    "no_rope_layers": _no_rope_layers,
+    "moe_layers": _moe_layers,
 }
 
 
