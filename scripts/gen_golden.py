@@ -22,6 +22,7 @@ transformers.  One fixture per entry of :data:`FIXTURES` (the reference side of 
   shape, sha256 and probe values; per conversation the ids of ``processor(text=prompt,
   add_special_tokens=False, **options)`` and the ranges vLLM's ``_find_mm_placeholders`` finds;
   whether the plain processor call adds a second ``<bos>``.
+* ``internvl.json``: InternVL3 crops + thumbnail and conversations (``scripts/golden_internvl.py``).
 
 Both image backends everywhere (``torchvision``: ``AutoProcessor.from_pretrained(bundle)
 .image_processor``; ``pil``: ``AutoImageProcessor.from_pretrained(bundle, backend="pil")``).
@@ -52,6 +53,7 @@ sys.path.insert(0, str(REPO / "tests" / "families"))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from golden_reference import gemma3_golden, llava_golden, qwen_vl_golden  # noqa: E402
+from golden_internvl import internvl_golden  # noqa: E402
 from parity_support import GOLDEN_DIR  # noqa: E402
 
 #: fixture name (``golden/<name>.json``) -> the builder of its content
@@ -60,6 +62,7 @@ FIXTURES: dict[str, Callable[[], dict]] = {
     "llava": lambda: llava_golden("llava-hf--llava-1.5-7b-hf"),
     "llava_next": lambda: llava_golden("llava-hf--llava-v1.6-mistral-7b-hf"),
     "gemma3": gemma3_golden,
+    "internvl": internvl_golden,
 }
 
 

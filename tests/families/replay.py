@@ -25,6 +25,7 @@ import numpy as np
 import PIL
 import pytest
 from gemma3_support import PAS_ON, options_tuple, replacement_ranges, substitute_anchors
+from internvl_support import internvl_conversation, internvl_row
 from parity_support import (
     GOLDEN_DIR,
     ImageSpec,
@@ -301,4 +302,8 @@ FAMILIES: tuple[GoldenFamily, ...] = (
                  option_sets=({}, PAS_ON), replay_row=gemma3_row, replay_conversation=gemma3_conversation,
                  conversation_backends=("pil",), torch_free_row=lambda r: r["num_crops"] > 0,
                  row_id=_options_id),
+    GoldenFamily(name="internvl", max_bytes=100_000, model_types=frozenset({"internvl"}),
+                 option_sets=({},), replay_row=internvl_row, replay_conversation=internvl_conversation,
+                 conversation_backends=BACKENDS, torch_free_row=lambda r: r["num_patches"] > 1,
+                 row_id=_backend_image),
 )

@@ -99,7 +99,8 @@ def test_preprocess_and_expansion_agree_with_the_plan(model_type: str, backend: 
         for name, array in proc.plan_tensors(plan).items():
             assert np.asarray(array).shape == plan.shape(name), (label, name)
         rep = proc.expand(plan)
-        assert rep.embed_length == plan.num_tokens > 0, label
+        # a range may hold separators that receive no embedding (InternVL3's <img> ... </img>, vLLM is_embed)
+        assert rep.embed_length >= plan.num_tokens > 0, label
         if rep.text is None:
             assert 0 <= rep.embed_offset and rep.embed_offset + rep.embed_length <= len(rep.token_ids), label
             window = rep.token_ids[rep.embed_offset:rep.embed_offset + rep.embed_length]
