@@ -188,6 +188,15 @@ GEMMA3_SHRINK: Final = ShrinkSpec(
     overrides=MappingProxyType({"tie_word_embeddings": False, "text.tie_word_embeddings": False}),
 )
 
+#: InternVL3 (HF format): InternVLVisionConfig names its sizes as CLIP does; the pixel-shuffle projector
+#: reads vision.hidden_size * (1 / downsample_ratio)^2, so the tile geometry (448 / 14 = 32 patches a side,
+#: 256 context tokens per tile) is kept
+INTERNVL_SHRINK: Final = ShrinkSpec(
+    text=_DECODER, vision=_VIT, rules=_TEXT_RULES + ("vision_feature_layer",),
+    keep=("image_token_id", "image_seq_length", "downsample_ratio", "vision_feature_select_strategy",
+          "vision.image_size", "vision.patch_size", "vision.num_channels") + _TEXT_IDS,
+)
+
 # ---- the table ------------------------------------------------------------------------------
 
 #: transformers 5.24 ``ProcessorMixin.create_mm_token_type_ids``: 1 image, 2 video (Qwen-VL's M-RoPE reads it)
@@ -206,6 +215,8 @@ ENGINE_FAMILIES: Final[Mapping[str, EngineFamily]] = MappingProxyType({
     # bidirectionally (get_block_sequence_ids_for_mask); Gemma3Processor sets 1 on image_token_id
     "gemma3": EngineFamily("gemma3", GEMMA3_SHRINK, TokenTypes("token_type_ids", image=1),
                            RawLayout.CHANNELS_FIRST),
+    # InternVLForConditionalGeneration.forward takes no token types; pixel_values [patches, 3, 448, 448]
+    "internvl": EngineFamily("internvl", INTERNVL_SHRINK, None, RawLayout.CHANNELS_FIRST),
 })
 
 
