@@ -43,6 +43,7 @@ REQUIRED_BUNDLES = (
     "google--gemma-3-4b-it",
     "llava-hf--llava-1.5-7b-hf",
     "llava-hf--llava-v1.6-mistral-7b-hf",
+    "OpenGVLab--InternVL3-1B-hf",
 )
 NATIVE_MODULES = ("mmgate._native.tvresize", "mmgate._native.patchrows")
 TOOLS = {
