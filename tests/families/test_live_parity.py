@@ -22,13 +22,14 @@ pytest.importorskip("transformers")
 pytest.importorskip("torchvision")
 
 import test_gemma3_live_parity as gemma3  # noqa: E402
+import test_internvl_live_parity as internvl  # noqa: E402
 import test_llava_live_parity as llava  # noqa: E402
 import test_qwen_vl_live_parity as qwen_vl  # noqa: E402
 from live_support import BACKENDS, LiveFamily, run_live  # noqa: E402
 
 from mmgate.models.backend import ImageBackend  # noqa: E402
 
-FAMILIES: tuple[LiveFamily, ...] = (qwen_vl.LIVE, llava.LIVE, gemma3.LIVE)
+FAMILIES: tuple[LiveFamily, ...] = (qwen_vl.LIVE, llava.LIVE, gemma3.LIVE, internvl.LIVE)
 
 
 def _params(with_sample: bool) -> list:
