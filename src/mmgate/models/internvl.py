@@ -29,7 +29,7 @@ Wire layout on vLLM (vLLM 0.33 ``vllm/model_executor/models/interns1.py``, which
 <IMG_CONTEXT>``): the placeholder range is the whole replacement and ``is_embed`` marks the
 context tokens (here: ``embed_offset`` 0, ``embed_length`` = ``num_tokens + 2``).
 
-Video: :mod:`mmgate.models.internvl_video`.
+Video (``<video>``, ``Frame{i}: <img>…</img>`` text, vLLM's ``<video>`` context ids): :mod:`mmgate.models.internvl_video`.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from mmgate.models import geometry
 from mmgate.models.backend import FrameSampling, ImageBackend
 from mmgate.models.bundle import ModelBundle
 from mmgate.models.image_rows import RowNormalizer
+from mmgate.models.internvl_video import InternVLVideo
 from mmgate.models.llava import check_no_hints
 from mmgate.types import DecodedImage, ItemHints, ItemPlan, Modality, Replacement, TensorLayout, TensorSpec
 
@@ -310,7 +311,7 @@ class InternVLFamily:
     limits: Mapping[Modality, int] = {Modality.IMAGE: 16, Modality.VIDEO: 1}
     mrope = False  # 1-D positions (a Qwen2 / Qwen2.5 text model without M-RoPE)
 
-    def __init__(self, images: InternVLImages, video: Any, reserved: tuple[str, ...]) -> None:
+    def __init__(self, images: InternVLImages, video: InternVLVideo | None, reserved: tuple[str, ...]) -> None:
         self._images = images
         self._video = video
         self.limits = {Modality.IMAGE: 16, **({Modality.VIDEO: 1} if video is not None else {})}
@@ -329,7 +330,8 @@ class InternVLFamily:
         return self._images
 
     @property
-    def video(self) -> Any:
+    def video(self) -> InternVLVideo | None:
+        """The clip processor (None: PyAV missing, or no video config in the bundle)."""
         return self._video
 
     @classmethod
@@ -340,7 +342,16 @@ class InternVLFamily:
         tokens, texts = read_tokens(bundle, tokenizer)
         images = InternVLImages(bundle.model_type, image_params_from_bundle(bundle), tokens,
                                 geometry.resolve_backend(backend))
-        return cls(images, None, tuple(texts.values()))
+        video = None
+        from mmgate.media.video import av_available
+
+        if av_available() and bundle.video_preprocessor_config:
+            from mmgate.models.internvl_video import load_video
+
+            video = load_video(bundle, (texts["start_image_token"], texts["video_token"], texts["end_image_token"]),
+                               tokens.video, images.params.image_seq_length,
+                               video_backend or geometry.resolve_backend(ImageBackend.AUTO), video_sampling)
+        return cls(images, video, tuple(texts.values()))
 
 
 FAMILY = InternVLFamily
