@@ -103,6 +103,9 @@ class EngineFamily:
     shrink: ShrinkSpec  # the config rules for a weight-less bundle
     token_types: TokenTypes | None
     raw_layout: RawLayout | None
+    #: the model class embeds clip frames as images (InternVL3): a clip's vLLM context ids are read as the
+    #: image token and its frames join ``pixel_values`` in prompt order (:mod:`mmgate.refengine.frames_as_images`)
+    video_as_images: bool = False
 
 
 # ---- the sizes, as the field names of each config class -----------------------------------
@@ -216,7 +219,7 @@ ENGINE_FAMILIES: Final[Mapping[str, EngineFamily]] = MappingProxyType({
     "gemma3": EngineFamily("gemma3", GEMMA3_SHRINK, TokenTypes("token_type_ids", image=1),
                            RawLayout.CHANNELS_FIRST),
     # InternVLForConditionalGeneration.forward takes no token types; pixel_values [patches, 3, 448, 448]
-    "internvl": EngineFamily("internvl", INTERNVL_SHRINK, None, RawLayout.CHANNELS_FIRST),
+    "internvl": EngineFamily("internvl", INTERNVL_SHRINK, None, RawLayout.CHANNELS_FIRST, video_as_images=True),
 })
 
 
