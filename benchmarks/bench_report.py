@@ -32,12 +32,13 @@ QWEN_BUNDLES = {
 }
 
 #: bundle folder -> short label, one or more bundles per registered family
-#: (``mmgate.models.registry.FAMILY_MODULES``): the Qwen-VL bundles, LLaVA-1.5, LLaVA-NeXT, Gemma 3
+#: (``mmgate.models.registry.FAMILY_MODULES``): the Qwen-VL bundles, LLaVA-1.5, LLaVA-NeXT, Gemma 3, InternVL3
 FAMILY_BUNDLES = {
     **QWEN_BUNDLES,
     "llava-hf--llava-1.5-7b-hf": "llava",
     "llava-hf--llava-v1.6-mistral-7b-hf": "llava_next",
     "google--gemma-3-4b-it": "gemma3",
+    "OpenGVLab--InternVL3-1B-hf": "internvl",
 }
 
 #: name -> (width, height)
