@@ -32,7 +32,7 @@ QWEN_BUNDLES = {
 }
 
 #: bundle folder -> short label, one or more bundles per registered family
-#: (``mmgate.models.registry.FAMILY_MODULES``): the Qwen-VL bundles, LLaVA-1.5, LLaVA-NeXT, Gemma 3, LLaVA-OneVision, Llama 4
+#: (``mmgate.models.registry.FAMILY_MODULES``): the Qwen-VL bundles, LLaVA-1.5, LLaVA-NeXT, Gemma 3, LLaVA-OneVision, Llama 4, InternVL3
 FAMILY_BUNDLES = {
     **QWEN_BUNDLES,
     "llava-hf--llava-1.5-7b-hf": "llava",
@@ -40,6 +40,7 @@ FAMILY_BUNDLES = {
     "google--gemma-3-4b-it": "gemma3",
     "llava-hf--llava-onevision-qwen2-0.5b-ov-hf": "llava_onevision",
     "meta-llama--Llama-4-Scout-17B-16E-Instruct": "llama4",
+    "OpenGVLab--InternVL3-1B-hf": "internvl",
 }
 
 #: name -> (width, height)

@@ -26,6 +26,7 @@ transformers.  One fixture per entry of :data:`FIXTURES` (the reference side of 
   Llama 4 image processor): canvas, resize size, ``aspect_ratios``, ``<|patch|>`` count, the
   bfloat16 ``pixel_values`` as float32 sha256 and probes; conversations from
   ``apply_chat_template(tokenize=True)``.
+* ``internvl.json``: InternVL3 crops + thumbnail and conversations (``scripts/golden_internvl.py``).
 
 Both image backends everywhere (``torchvision``: ``AutoProcessor.from_pretrained(bundle)
 .image_processor``; ``pil``: ``AutoImageProcessor.from_pretrained(bundle, backend="pil")``).
@@ -58,6 +59,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from golden_reference import gemma3_golden, llava_golden, qwen_vl_golden  # noqa: E402
 from golden_llava_onevision import onevision_golden  # noqa: E402
 from golden_llama4 import llama4_golden  # noqa: E402
+from golden_internvl import internvl_golden  # noqa: E402
 from parity_support import GOLDEN_DIR  # noqa: E402
 
 #: fixture name (``golden/<name>.json``) -> the builder of its content
@@ -68,6 +70,7 @@ FIXTURES: dict[str, Callable[[], dict]] = {
     "gemma3": gemma3_golden,
     "llava_onevision": onevision_golden,
     "llama4": llama4_golden,
+    "internvl": internvl_golden,
 }
 
 

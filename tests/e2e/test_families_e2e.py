@@ -1,4 +1,4 @@
-"""End to end for the Gemma 3, LLaVA-1.5, LLaVA-NeXT and Llama 4 families: the official ``openai`` client ->
+"""End to end for the Gemma 3, LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, Llama 4 and InternVL3 families: the official ``openai`` client ->
 gateway process -> recording gRPC proxy -> reference engine process (vLLM wire, loopback).
 
 The engine runs each bundle's transformers model shrunken with seeded random weights
@@ -48,7 +48,8 @@ from tests.corpus.stack import RecordingProxy, WireRequest
 BUNDLES = {"gemma3": "google--gemma-3-4b-it", "llava": "llava-hf--llava-1.5-7b-hf",
            "llava_next": "llava-hf--llava-v1.6-mistral-7b-hf",
            "llava_onevision": "llava-hf--llava-onevision-qwen2-0.5b-ov-hf",
-           "llama4": "meta-llama--Llama-4-Scout-17B-16E-Instruct"}
+           "llama4": "meta-llama--Llama-4-Scout-17B-16E-Instruct",
+           "internvl": "OpenGVLab--InternVL3-1B-hf"}
 STEPS = 4  # max_tokens of every request (and max_new_tokens of the reference)
 LOGPROB_TOLERANCE = 1e-4  # float32 noise between two processes running the same weights
 
@@ -251,3 +252,17 @@ def test_llama4_tiled_and_single_tile_images_equal_the_processor_and_generate(st
     assert tuple(inputs["pixel_values"].shape) == (8, 3, 336, 336)
     assert int((inputs["input_ids"] == 200092).sum()) == 8 * 144
     assert int((inputs["input_ids"] == 200084).sum()) == 2 * 2  # <|tile_x_separator|>: 2 per row of 3 tiles
+
+
+@pytest.mark.parametrize("stack", ["internvl"], indirect=True)
+def test_internvl_images_of_different_crop_counts_equal_the_processor_and_generate(stack: Stack) -> None:
+    # InternVL3 (the Qwen2 tokenizer adds no BOS; the template renders none): 900x400 -> ratio 2.25 ->
+    # 2x1 crops of 448 + the thumbnail (3 patches); 64x64 -> 1x1, no thumbnail (1 patch)
+    inputs = _check_request(stack, [_png(900, 400, 10), _png(64, 64, 11)], "Compare the two pictures.")
+    assert tuple(inputs["pixel_values"].shape) == (4, 3, 448, 448)
+    assert int((inputs["input_ids"] == 151667).sum()) == 4 * 256  # <IMG_CONTEXT>
+
+
+@pytest.mark.parametrize("stack", ["internvl"], indirect=True)
+def test_internvl_one_image_equals_the_processor_and_generate(stack: Stack) -> None:
+    _check_request(stack, [_png(97, 61, 12)], "Describe the image.")

@@ -96,6 +96,13 @@ CASES = {
     "llama4": Case("meta-llama/Llama-4-Scout-17B-16E-Instruct", "llama4", "<|patch|>",
                    {"pixel_values": Layout("flat", "patches_per_image"), "patches_per_image": BATCHED,
                     "aspect_ratios": BATCHED}),
+    # vllm/model_executor/models/interns1.py (serves the HF-format InternVLForConditionalGeneration)
+    # InternS1MultiModalProcessor._get_mm_fields_config: pixel_values flat_from_sizes("image",
+    # image_num_patches), image_num_patches batched, image_token_id shared; select_text(<img>...</img>,
+    # <IMG_CONTEXT>): the range holds <img> / </img>, is_embed marks the context tokens
+    "internvl": Case("OpenGVLab/InternVL3-1B-hf", "internvl", "<IMG_CONTEXT>",
+                     {"pixel_values": Layout("flat", "image_num_patches"), "image_num_patches": BATCHED,
+                      "image_token_id": Layout("shared")}),
 }
 
 #: two images: landscape 640x480 and a tall 300x1001 (Gemma 3 cuts crops from both with pan-and-scan)

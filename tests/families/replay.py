@@ -25,6 +25,7 @@ import numpy as np
 import PIL
 import pytest
 from gemma3_support import PAS_ON, options_tuple, replacement_ranges, substitute_anchors
+from internvl_support import internvl_conversation, internvl_row
 from parity_support import (
     GOLDEN_DIR,
     ImageSpec,
@@ -360,4 +361,8 @@ FAMILIES: tuple[GoldenFamily, ...] = (
                  option_sets=({},), replay_row=llama4_row, replay_conversation=llama4_conversation,
                  conversation_backends=("torchvision",), torch_free_row=lambda r: r["image"] == "rgb_640x480",
                  row_id=_backend_image, backends=("torchvision",)),
+    GoldenFamily(name="internvl", max_bytes=100_000, model_types=frozenset({"internvl"}),
+                 option_sets=({},), replay_row=internvl_row, replay_conversation=internvl_conversation,
+                 conversation_backends=BACKENDS, torch_free_row=lambda r: r["num_patches"] > 1,
+                 row_id=_backend_image),
 )

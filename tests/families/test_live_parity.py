@@ -23,6 +23,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("torchvision")
 
 import test_gemma3_live_parity as gemma3  # noqa: E402
+import test_internvl_live_parity as internvl  # noqa: E402
 import test_llama4_live_parity as llama4  # noqa: E402
 import test_llava_live_parity as llava  # noqa: E402
 import test_llava_onevision_live_parity as llava_onevision  # noqa: E402
@@ -31,7 +32,8 @@ from live_support import BACKENDS, LiveFamily, run_live  # noqa: E402
 
 from mmgate.models.backend import ImageBackend  # noqa: E402
 
-FAMILIES: tuple[LiveFamily, ...] = (qwen_vl.LIVE, llava.LIVE, gemma3.LIVE, llava_onevision.LIVE, llama4.LIVE)
+FAMILIES: tuple[LiveFamily, ...] = (qwen_vl.LIVE, llava.LIVE, gemma3.LIVE, llava_onevision.LIVE, llama4.LIVE,
+                                    internvl.LIVE)
 
 
 def _params(with_sample: bool) -> list:

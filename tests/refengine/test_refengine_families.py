@@ -1,4 +1,4 @@
-"""The reference engine runs LLaVA-1.5, LLaVA-NeXT and Gemma 3 (shrunken, seeded random weights).
+"""The reference engine runs LLaVA-1.5, LLaVA-NeXT, Gemma 3 and InternVL3 (shrunken, seeded random weights).
 
 Every request comes from the bundle's own transformers processor
 (``processor.apply_chat_template(conversation, add_generation_prompt=True)``
@@ -10,6 +10,8 @@ model out (``_get_mm_fields_config`` of ``vllm/model_executor/models/llava.py``,
   * LLaVA-NeXT: ``pixel_values`` batched ``[N, tiles, 3, 336, 336]`` + ``image_sizes`` batched;
   * Gemma 3: ``pixel_values`` flat ``[sum(num_patches), 3, 896, 896]`` sized by
     ``num_patches`` (= crops + 1, batched, in the batch as the servicer needs it);
+  * InternVL3 (``interns1.py``): ``pixel_values`` flat ``[sum(image_num_patches), 3, 448, 448]``,
+    ``image_num_patches`` batched, ``image_token_id`` shared;
 
 ``im_token_id`` = the embedding token (LLaVA ``<image>`` 32000, Gemma 3
 ``<image_soft_token>`` 262144).  The engine's greedy ids must equal
@@ -55,7 +57,8 @@ LLAVA = "llava-hf--llava-1.5-7b-hf"
 LLAVA_NEXT = "llava-hf--llava-v1.6-mistral-7b-hf"
 GEMMA3 = "google--gemma-3-4b-it"
 LLAMA4 = "meta-llama--Llama-4-Scout-17B-16E-Instruct"  # its own tests: test_refengine_llama4.py
-FAMILY_BUNDLES = (LLAVA, LLAVA_NEXT, GEMMA3)
+INTERNVL = "OpenGVLab--InternVL3-1B-hf"
+FAMILY_BUNDLES = (LLAVA, LLAVA_NEXT, GEMMA3, INTERNVL)
 STEPS = 6
 
 # ---- requests from the real processors --------------------------------------------------------
@@ -109,6 +112,15 @@ def wire_batch(name: str, out: dict[str, torch.Tensor]) -> vllm_engine_pb2.Multi
         mm.model_specific_tensors["num_patches"].CopyFrom(_td(num_patches))
         mm.flat_keys["pixel_values"] = "num_patches"
         mm.batched_keys.append("num_patches")
+        return mm
+    if name == INTERNVL:  # vLLM interns1.py: flat by image_num_patches, image_token_id shared, <img>..</img> ranges
+        start, end = ids.index(151665), len(ids) - 1 - ids[::-1].index(151666)  # <img>, </img> (one image)
+        mm.mm_placeholders.append(vllm_engine_pb2.PlaceholderRange(offset=start, length=end - start + 1))
+        mm.model_specific_tensors["image_num_patches"].CopyFrom(
+            _td(torch.tensor([out["pixel_values"].shape[0]], dtype=torch.int64)))
+        mm.model_specific_tensors["image_token_id"].CopyFrom(_td(torch.tensor(image_token, dtype=torch.int64)))
+        mm.flat_keys["pixel_values"] = "image_num_patches"
+        mm.batched_keys.append("image_num_patches")
         return mm
     mm.mm_placeholders.extend(vllm_engine_pb2.PlaceholderRange(offset=o, length=n) for o, n in _runs(ids, image_token))
     mm.batched_keys.append("pixel_values")
@@ -238,7 +250,7 @@ def test_the_model_class_is_the_architecture_which_auto_image_text_to_text_also_
 
 
 def test_every_family_row_is_named_by_its_model_type() -> None:
-    assert {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "gemma3", "llama4"} <= set(ENGINE_FAMILIES)
+    assert {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "gemma3", "llama4", "internvl"} <= set(ENGINE_FAMILIES)
     assert all(row.name == model_type for model_type, row in ENGINE_FAMILIES.items())
 
 
@@ -252,6 +264,7 @@ def test_every_family_row_is_named_by_its_model_type() -> None:
     (GEMMA3, ("gemma3", 262208, 131072, [1, 106], 2, 0)),
     ("llava-hf--llava-onevision-qwen2-0.5b-ov-hf", ("llava_onevision", 152000, 32768, [151645], 151643, -1)),
     (LLAMA4, ("llama4", 202048, 10485760, [200001, 200007, 200008], 200000, 200018)),
+    (INTERNVL, ("internvl", 151674, 32768, [151645], 151643, -1)),
 ])
 def test_model_info_reports_each_bundles_own_facts(
     name: str, expected: tuple, engine_for: Callable[[Path], RunningEngine]

@@ -45,6 +45,7 @@ REQUIRED_BUNDLES = (
     "llava-hf--llava-v1.6-mistral-7b-hf",
     "llava-hf--llava-onevision-qwen2-0.5b-ov-hf",
     "meta-llama--Llama-4-Scout-17B-16E-Instruct",
+    "OpenGVLab--InternVL3-1B-hf",
 )
 NATIVE_MODULES = ("mmgate._native.tvresize", "mmgate._native.patchrows")
 TOOLS = {

@@ -95,6 +95,20 @@ def _add_config_tokens(tok: Tokenizer, tokenizer_config: dict[str, Any]) -> None
             tok.add_tokens([added])
 
 
+def _add_extra_special_tokens(tok: Tokenizer, tokenizer_config: dict[str, Any]) -> None:
+    """Add the ``extra_special_tokens`` the tokenizer does not have yet, as transformers 5.24 does at
+    load (``PreTrainedTokenizerBase.__init__`` -> ``add_special_tokens``: special, not normalized; in
+    the order the config lists them).  InternVL3's ``<video>`` (id 151674) exists only this way."""
+    extra = tokenizer_config.get("extra_special_tokens") or {}
+    values = list(extra.values()) if isinstance(extra, dict) else list(extra) if isinstance(extra, list) else []
+    vocab = tok.get_vocab(with_added_tokens=True)
+    for value in values:
+        content = value.get("content") if isinstance(value, dict) else value
+        if isinstance(content, str) and content not in vocab:
+            tok.add_special_tokens([AddedToken(content, normalized=False, special=True)])
+            vocab[content] = -1
+
+
 @dataclass(frozen=True, slots=True)
 class BundleTokenizer:
     """A loaded tokenizer plus the special-token strings templates see."""
@@ -280,6 +294,7 @@ def load_tokenizer(bundle: ModelBundle) -> BundleTokenizer:
     else:
         raise GatewayError(ErrorCode.MODEL_NOT_FOUND, f"no tokenizer files in bundle {bundle.name!r}")
     _add_config_tokens(tok, bundle.tokenizer_config)
+    _add_extra_special_tokens(tok, bundle.tokenizer_config)
     special: dict[str, str] = {}
     for key in _SPECIAL_KEYS:
         text = _token_text(bundle.tokenizer_config.get(key))

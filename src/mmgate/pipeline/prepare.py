@@ -403,13 +403,13 @@ class Pipeline:
                 r.text or "" for r in texts[m]] for m in texts}
             ids = tokenizer.encode_segments(splice_text(segments, anchors), self.runtime.reserved_ids,
                                             add_special_tokens)
-            for m, items in texts.items():
-                ranges[m] = locate_text_items(ids, procs[m].placeholder_token_id, items)
         tokens = {procs[m].anchor_token_id: r for m, r in reps.items() if m not in texts}
         ids, by_anchor = splice_all(ids, tokens)
         for m in reps:
-            if m not in texts:
-                ranges[m] = by_anchor[procs[m].anchor_token_id]
+            # text-level items are located in the final ids: the token-level splice moves them (InternVL3
+            # mixes a text-level clip with token-level images)
+            ranges[m] = (locate_text_items(ids, procs[m].placeholder_token_id, texts[m]) if m in texts
+                         else by_anchor[procs[m].anchor_token_id])
         return ids, ranges
 
     async def _fetch_decode(self, refs: Sequence[MediaRef]) -> list[DecodedImage]:

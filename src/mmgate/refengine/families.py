@@ -103,6 +103,9 @@ class EngineFamily:
     shrink: ShrinkSpec  # the config rules for a weight-less bundle
     token_types: TokenTypes | None
     raw_layout: RawLayout | None
+    #: the model class embeds clip frames as images (InternVL3): a clip's vLLM context ids are read as the
+    #: image token and its frames join ``pixel_values`` in prompt order (:mod:`mmgate.refengine.frames_as_images`)
+    video_as_images: bool = False
 
 
 # ---- the sizes, as the field names of each config class -----------------------------------
@@ -211,6 +214,15 @@ LLAMA4_SHRINK: Final = ShrinkSpec(
           "vision.pixel_shuffle_ratio") + _TEXT_IDS,
 )
 
+#: InternVL3 (HF format): InternVLVisionConfig names its sizes as CLIP does; the pixel-shuffle projector
+#: reads vision.hidden_size * (1 / downsample_ratio)^2, so the tile geometry (448 / 14 = 32 patches a side,
+#: 256 context tokens per tile) is kept
+INTERNVL_SHRINK: Final = ShrinkSpec(
+    text=_DECODER, vision=_VIT, rules=_TEXT_RULES + ("vision_feature_layer",),
+    keep=("image_token_id", "image_seq_length", "downsample_ratio", "vision_feature_select_strategy",
+          "vision.image_size", "vision.patch_size", "vision.num_channels") + _TEXT_IDS,
+)
+
 # ---- the table ------------------------------------------------------------------------------
 
 #: transformers 5.24 ``ProcessorMixin.create_mm_token_type_ids``: 1 image, 2 video (Qwen-VL's M-RoPE reads it)
@@ -234,6 +246,8 @@ ENGINE_FAMILIES: Final[Mapping[str, EngineFamily]] = MappingProxyType({
     # Llama4ForConditionalGeneration takes no token types; its pixels are bfloat16 values the engine
     # does not reproduce on device (raw_layout None); forward's last line needs a fix (model_fixes.py)
     "llama4": EngineFamily("llama4", LLAMA4_SHRINK, None, None),
+    # InternVLForConditionalGeneration.forward takes no token types; pixel_values [patches, 3, 448, 448]
+    "internvl": EngineFamily("internvl", INTERNVL_SHRINK, None, RawLayout.CHANNELS_FIRST, video_as_images=True),
 })
 
 

@@ -55,6 +55,7 @@ from mmgate.refengine.core import (
     Run,
     grpc_status,
 )
+from mmgate.refengine import frames_as_images
 from mmgate.refengine.device_normalize import DeviceNormalizer
 from mmgate.refengine.mm_inputs import mm_batches, prompt_ids, vllm_batches
 from mmgate.refengine.mm_processor import WorkerMedia
@@ -148,6 +149,9 @@ class RefEngineServicer(ServesTokenizer, vllm_engine_pb2_grpc.VllmEngineServicer
         facts = self._loaded.facts
         if request.HasField("media_refs") and request.media_refs.items:
             raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED, "this engine does not process media references")
+        video_as_images = self._loaded.family.video_as_images and facts.image_token_id is not None
+        if video_as_images:  # InternVL3: vLLM's <video> context ids read as the image token
+            request = frames_as_images.rewrite_ids(request, int(facts.image_token_id))  # type: ignore[arg-type]
         ids = prompt_ids(request, self._core.tokenizer, facts.vocab_size)
         # ``has_preprocessed_mm_payload``: a batch without any tensor is bare identity (the cache-salt path)
         preprocessed = [mm for mm in mm_batches(request) if mm.HasField("pixel_values") or mm.model_specific_tensors]
@@ -159,6 +163,8 @@ class RefEngineServicer(ServesTokenizer, vllm_engine_pb2_grpc.VllmEngineServicer
             raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED, f"model {facts.model_type!r} takes no multimodal inputs")
         bare = len(preprocessed) < len(mm_batches(request))
         batches = vllm_batches(request, self._core.normalizer) if preprocessed else []
+        if video_as_images:
+            batches = frames_as_images.merge_batches(request, batches)
         params = kv_transfer_params(request)
         role, link = self._config.role, None
         if role is Role.DECODE and params is not None and params.get("do_remote_prefill"):
