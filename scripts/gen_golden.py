@@ -26,7 +26,7 @@ transformers.  One fixture per entry of :data:`FIXTURES` (the reference side of 
   Llama 4 image processor): canvas, resize size, ``aspect_ratios``, ``<|patch|>`` count, the
   bfloat16 ``pixel_values`` as float32 sha256 and probes; conversations from
   ``apply_chat_template(tokenize=True)``.
-* ``internvl.json``: InternVL3 crops + thumbnail and conversations (``scripts/golden_internvl.py``).
+* ``internvl.json``: InternVL3 crops + thumbnail, conversations and clips (``scripts/golden_internvl.py``).
 
 Both image backends everywhere (``torchvision``: ``AutoProcessor.from_pretrained(bundle)
 .image_processor``; ``pil``: ``AutoImageProcessor.from_pretrained(bundle, backend="pil")``).

@@ -11,11 +11,23 @@ Rows (per backend x image): the tile grid (``get_optimal_tiled_canvas``), ``num_
 ``pixel_values`` shape, sha256 and eight probe values.  Conversations: the ids of
 ``processor(text=apply_chat_template(tokenize=False), images=...)`` (= ``apply_chat_template(
 tokenize=True)``; the Qwen2 tokenizer adds no BOS), collapsed, with the context-token runs, and
-the batched ``pixel_values`` of the torchvision processor.
+the batched ``pixel_values`` of the torchvision processor.  Clips (1, 2, 7, 33, 301 frames, made
+with ``tests/video/video_support.make_clip``, decoded by transformers' ``load_video(backend="pyav")``)
+per frame-sampling rule (``vllm``: vLLM's loader, at most 32 frames evenly spaced; ``transformers``:
+every frame, the bundle's ``do_sample_frames`` false): the frames kept, the ids of
+``processor(text=[template prompt], videos=[kept frames])`` (transformers' form: ``<IMG_CONTEXT>``
+inside the clip, where mmgate and vLLM carry ``<video>``) and the clip's ``pixel_values``, or the
+refusal where the expanded prompt does not fit the context (replayed by
+``tests/families/test_internvl_golden_video.py``).
 """
 
 from __future__ import annotations
 
+import sys
+import tempfile
+from pathlib import Path
+
+from golden_llava_onevision import vllm_indices
 from golden_reference import BACKENDS, bundle_path, image_entries, opened, reference_processors, versions
 from parity_support import ImageSpec, collapse_runs, probe8, reference_messages, sha256_f32le, sha256_ids
 
@@ -49,6 +61,12 @@ INTERNVL_CONVERSATIONS: tuple[dict, ...] = (
     {"images": ["jpeg_1023x769", "strip_30x1000", "grid_896x448"],
      "turns": [["user", ["Compare ", 0, ", ", 1, " and\n\n", 2, "."]]]},
 )
+
+
+#: clips (frames, fps, width, height): the issue's lengths, small frames (each is resized to 448x448)
+INTERNVL_CLIPS: tuple[tuple[int, int, int, int], ...] = ((1, 24, 64, 48), (2, 25, 66, 50), (7, 30, 65, 47),
+                                                         (33, 25, 48, 32), (301, 24, 48, 32))
+CONTEXT = 32768  # text_config.max_position_embeddings: a prompt of this many tokens or more is refused
 
 
 def _image_kwargs() -> dict:
@@ -101,6 +119,46 @@ def internvl_conversation_rows(processor, sources: dict[str, bytes]) -> list[dic
     return out
 
 
+def internvl_clip_rows(processor) -> list[dict]:  # noqa: ANN001 - the transformers InternVLProcessor
+    """Per clip and sampling rule: the frames kept, the ids and ``pixel_values`` of
+    ``processor(text=[prompt], videos=[kept frames])`` on transformers' pyav decode, or the refusal."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from parity_support import sha256_rgb
+    from tests.video.video_support import ClipSpec, load, make_clip
+
+    assert not processor.video_processor.do_sample_frames  # the processor keeps every frame it is given
+    ctx = processor.image_token_id
+    content = [{"type": "video"}, {"type": "text", "text": "What happens?"}]
+    prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                           tokenize=False)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as folder:
+        for frames, fps, width, height in INTERNVL_CLIPS:
+            spec = ClipSpec(f"ivl_f{frames}", frames, fps, width, height)
+            decoded, _ = load(make_clip(spec, Path(folder)))
+            assert len(decoded) == frames
+            for sampling in ("vllm", "transformers"):
+                kept = vllm_indices(frames) if sampling == "vllm" else list(range(frames))
+                row: dict = {"clip": {"frames": frames, "fps": fps, "width": width, "height": height,
+                                      "codec": spec.codec}, "sampling": sampling, "frames_kept": kept,
+                             "frames_rgb_sha256": sha256_rgb(np.ascontiguousarray(decoded))}
+                # return_tensors="np" fails in 5.24 (the video pixel_values are flattened as tensors)
+                out = processor(text=[prompt], videos=[decoded[kept]], return_tensors="pt")
+                ids = [int(v) for v in out["input_ids"][0]]
+                assert ids.count(ctx) == len(kept) * processor.image_seq_length
+                if len(ids) >= CONTEXT:
+                    row["refused"] = f"context_length_exceeded: {len(ids)} tokens >= {CONTEXT}"
+                    rows.append(row)
+                    continue
+                pv = out["pixel_values"].numpy()
+                assert pv.dtype == np.float32, pv.dtype
+                row.update({"num_context_tokens": ids.count(ctx), "input_ids_len": len(ids),
+                            "input_ids_sha256": sha256_ids(ids), "pixel_values_shape": list(pv.shape),
+                            "pixel_values_sha256": sha256_f32le(pv)})
+                rows.append(row)
+    return rows
+
+
 def internvl_golden() -> dict:
     """``internvl.json``: pixel rows per backend, conversations, the bundle's token facts."""
     path = bundle_path(INTERNVL_BUNDLE)
@@ -132,4 +190,9 @@ def internvl_golden() -> dict:
         "bundles": [bundle],
         "rows": internvl_pixel_rows(image_processors, sources, processor),
         "conversations": internvl_conversation_rows(processor, sources),
+        "clips_reference": "tests/video/video_support.make_clip (PyAV libx264) decoded by transformers' "
+                           "load_video(backend='pyav'); the frames kept by the sampling rule handed to "
+                           "processor(text=[template prompt], videos=[frames]) (do_sample_frames false); ids "
+                           "with <IMG_CONTEXT> (image_token_id) in the clip, pixel_values the clip's frames",
+        "clips": internvl_clip_rows(processor),
     }
