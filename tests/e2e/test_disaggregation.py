@@ -291,7 +291,7 @@ def _state(mrope: bool, lm_only: bool, processing: MmProcessing = MmProcessing.R
     decode.caps = Capabilities(wire=Wire.SGLANG, role=Role.DECODE, language_model_only=lm_only)
     # M-RoPE is asked of the family (Family.mrope), never read off the config
     return SimpleNamespace(workers=SimpleNamespace(workers=[decode]),
-                           runtime=SimpleNamespace(family=SimpleNamespace(mrope=mrope)),
+                           runtime=SimpleNamespace(family=SimpleNamespace(mrope=mrope, vllm_video_ids=False)),
                            settings=SimpleNamespace(mm_processing=processing, sglang_allow_mrope_media=False))
 
 

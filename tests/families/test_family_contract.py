@@ -8,7 +8,8 @@ For every ``model_type`` in ``mmgate.models.registry.FAMILY_BY_MODEL_TYPE``:
   :func:`mmgate.models.family.assemble` lays them out as the specs say (batched: one entry per
   item, zero-padded; flat: concatenated, sizes in the batch);
 * ``expand(plan)`` holds exactly ``plan.num_tokens`` embedding tokens (token-level: in its
-  placeholder range; text-level: in its text);
+  placeholder range; text-level: in its text), and is text-level exactly when ``Family.text_updates``
+  lists images;
 * a pixel-cache hit gives the bytes a miss gives (through the pipeline).
 Family-specific numbers (token counts, sizes) are checked against the reference by each
 family's golden and live tiers, not here.
@@ -102,6 +103,8 @@ def test_preprocess_and_expansion_agree_with_the_plan(model_type: str, backend: 
         # a range may hold separators that receive no embedding (vLLM's is_embed mask): Llama 4's tile
         # separators (token-level), InternVL3's <img> ... </img> (text-level frames too)
         assert rep.embed_length >= plan.num_tokens > 0, label
+        # Family.text_updates says which modalities' updates are text-level (worker mode refuses them up front)
+        assert (rep.text is not None) == (Modality.IMAGE in family.text_updates), label
         if rep.text is None:
             assert 0 <= rep.embed_offset and rep.embed_offset + rep.embed_length <= len(rep.token_ids), label
             window = rep.token_ids[rep.embed_offset:rep.embed_offset + rep.embed_length]

@@ -7,8 +7,8 @@ filled the way the real servicers fill them (smg-grpc-servicer 0.14.1: ``sglang/
 ``GetModelInfo`` / ``GetServerInfo`` put SGLang's ``ServerArgs`` in the ``server_args`` Struct;
 ``tokenspeed/servicer.py`` adds ``supported_modalities`` and ``multimodal_encoder_dtype`` to
 ``GetModelInfo`` and ``shm_namespace_id`` to ``scheduler_info``).  Every other method, ``Generate``
-included, answers ``UNIMPLEMENTED`` (the generated base servicer's default), so a test can see
-that nothing was sent.  ``calls`` counts each method called.
+included, answers ``UNIMPLEMENTED`` (the generated base servicer's default; TokenSpeed's ``Generate``
+counts the call first), so a test can see that nothing was sent.  ``calls`` counts each method called.
 """
 
 from __future__ import annotations
@@ -103,6 +103,12 @@ class _TokenSpeed(tokenspeed_scheduler_pb2_grpc.TokenSpeedSchedulerServicer):
         return tokenspeed_scheduler_pb2.GetServerInfoResponse(server_args=self.state.args_struct(),
                                                               scheduler_info=scheduler, tokenspeed_version="fake")
 
+    def Generate(self, request, context):
+        """Counted (``calls["Generate"]``), then ``UNIMPLEMENTED`` as the base servicer answers."""
+        self.state.called("Generate")
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "fake: discovery only")
+        yield from ()
+
 
 _SERVICERS = {
     "sglang": (_Sglang, sglang_scheduler_pb2_grpc.add_SglangSchedulerServicer_to_server),
@@ -119,7 +125,9 @@ class FakeEngine:
         self.wire = wire
         self.state = state or FakeEngineState()
         servicer, add = _SERVICERS[wire]
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        # a receive limit as the fake vLLM worker's: a request with media reaches Generate (counted there)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
+                                  options=[("grpc.max_receive_message_length", 512 * 1024 * 1024)])
         add(servicer(self.state), self.server)
         self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
         self.server.start()

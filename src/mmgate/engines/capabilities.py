@@ -60,6 +60,27 @@ tokenspeed    yes   yes
   ``image_grid_thw`` / ``video_grid_thw`` (``get_mrope_input_positions``), which the wire carries.
   **tokenspeed** carries the grids per item (``model_specific_tensors``); its scheduler was not read for
   this, and it stays as it was: taken.
+
+The third axis is which ids a family's clip placeholders are (:class:`VideoIds`, asked of the family:
+``Family.vllm_video_ids``).  :data:`VIDEO_IDS` says which a wire's engine embeds:
+
+============  =====  ====
+wire          model  vllm
+============  =====  ====
+vllm          yes    yes
+sglang        yes    no
+tokenspeed    yes    **no**
+============  =====  ====
+
+* **vllm** rewrites some families' clip context ids to a token of its own (InternVL3:
+  ``vllm/model_executor/models/interns1.py`` ``InternS1MultiModalProcessor._call_hf_processor`` turns the
+  clip's ``<IMG_CONTEXT>`` into ``<video>``, id 151674, past the checkpoint's embedding table): its model
+  runner reads them as embedding positions and never looks them up, so the gateway sends vLLM's ids.
+* **tokenspeed** (and **sglang**, which takes no video at all) embeds the prompt's ids with the model's
+  table and finds the media positions from the item's own token: vLLM's rewritten ids are outside the
+  vocabulary there (the reference engine's TokenSpeed servicer refuses them, ``invalid_request``).  A clip
+  of such a family is therefore not taken by a TokenSpeed worker (``multimodal_not_supported``, 400,
+  before any fetch); its images are.
 """
 
 from __future__ import annotations
@@ -114,16 +135,51 @@ def positions_kept(wire: Wire, positions: Positions, *, sglang_allow_mrope_media
     return positions in POSITIONS[wire]
 
 
+class VideoIds(StrEnum):
+    """Which ids a family's clip placeholders are on the wire: the matrix's third axis (asked of the family)."""
+
+    MODEL = "model"  # tokens the model's own embedding table has (every family but the one below)
+    VLLM = "vllm"  # vLLM's rewrite, ids past the embedding table that only vLLM's runner reads (InternVL3)
+
+
+#: wire -> the clip placeholder ids its engine embeds (module docstring)
+VIDEO_IDS: dict[Wire, frozenset[VideoIds]] = {
+    Wire.VLLM: frozenset({VideoIds.MODEL, VideoIds.VLLM}),
+    Wire.SGLANG: frozenset({VideoIds.MODEL}),
+    Wire.TOKENSPEED: frozenset({VideoIds.MODEL}),
+}
+
+
+def video_ids_read(wire: Wire, ids: VideoIds) -> bool:
+    """Whether a ``wire`` worker embeds clips whose placeholder ids are ``ids``."""
+    return ids in VIDEO_IDS[wire]
+
+
 @dataclass(frozen=True, slots=True)
 class MediaPositions:
-    """What a served model asks of a worker that takes its media: its scheme and the SGLang opt-in."""
+    """What a served model asks of a worker that takes its media: its position scheme and the SGLang opt-in,
+    and which ids its clip placeholders are."""
 
     positions: Positions = Positions.ROPE
     sglang_allow_mrope_media: bool = False  # --sglang-allow-mrope-media
+    video_ids: VideoIds = VideoIds.MODEL
 
     def kept(self, wire: Wire) -> bool:
         """Whether a ``wire`` worker may take this model's media (:func:`positions_kept`)."""
         return positions_kept(wire, self.positions, sglang_allow_mrope_media=self.sglang_allow_mrope_media)
+
+    def ids_read(self, wire: Wire, modality: Modality) -> bool:
+        """Whether a ``wire`` worker embeds this model's ``modality`` items as the gateway lays out their ids
+        (:func:`video_ids_read` for clips; images: always)."""
+        return modality is not Modality.VIDEO or video_ids_read(wire, self.video_ids)
+
+    def id_readers(self) -> frozenset[Wire]:
+        """The wires whose engines embed this model's clip placeholder ids."""
+        return frozenset(w for w in Wire if video_ids_read(w, self.video_ids))
+
+    def all_read(self, wire: Wire, modalities: Iterable[Modality]) -> bool:
+        """:meth:`ids_read` for every one of ``modalities``."""
+        return all(self.ids_read(wire, m) for m in modalities)
 
 
 #: the pipeline's modality of a kind; a kind without one (embeddings) has no pipeline stage at all

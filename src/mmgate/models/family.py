@@ -172,6 +172,15 @@ class Family(Protocol):
     #: engine must see the grids and the media tokens together to position them (Qwen2-VL, Qwen2.5-VL,
     #: Qwen3-VL); False: plain 1-D positions, one per token
     mrope: bool
+    #: whether its clips' placeholder ids are vLLM's rewrite of them (a token past the checkpoint's embedding
+    #: table that only vLLM's model runner reads as an embedding position, never looks up: InternVL3's
+    #: ``<video>``), so only an engine that reads that rewrite embeds them; False: the clip's ids are tokens of
+    #: the model's own vocabulary (or the family takes no video)
+    vllm_video_ids: bool
+    #: the modalities whose prompt updates are text-level (the prompt text re-tokenized with the update in
+    #: place: Gemma 3 images, InternVL3 clips), so they cannot be expanded from ids alone (media references
+    #: forwarded to a worker carry no prompt text)
+    text_updates: frozenset[Modality]
 
     @property
     def fingerprint(self) -> str:
@@ -206,6 +215,8 @@ class ImageOnlyFamily(Generic[P]):
     model_types: tuple[str, ...] = ()
     limits: Mapping[Modality, int] = {}
     mrope = False  # LLaVA-1.5, LLaVA-NeXT and Gemma 3 position every token 1-D
+    vllm_video_ids = False  # no video
+    text_updates: frozenset[Modality] = frozenset()  # token-level image updates (Gemma 3 overrides)
 
     def __init__(self, images: P, limit: int, reserved: tuple[str, ...]) -> None:
         self._images = images

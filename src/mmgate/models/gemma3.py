@@ -375,6 +375,7 @@ class Gemma3Family(ImageOnlyFamily[Gemma3Images]):
 
     model_types = ("gemma3",)
     limits: Mapping[Modality, int] = {Modality.IMAGE: 16}
+    text_updates = frozenset({Modality.IMAGE})  # Gemma3Images.expand: text, re-tokenized with the prompt
     #: transformers ``GemmaTokenizer`` extra special tokens and their defaults
     token_keys = (("boi", "boi_token", "boi_token_index", "<start_of_image>"),
                   ("eoi", "eoi_token", "eoi_token_index", "<end_of_image>"),

@@ -310,6 +310,10 @@ class InternVLFamily:
     model_types = ("internvl",)
     limits: Mapping[Modality, int] = {Modality.IMAGE: 16, Modality.VIDEO: 1}
     mrope = False  # 1-D positions (a Qwen2 / Qwen2.5 text model without M-RoPE)
+    #: the clip's context ids are vLLM's ``<video>`` (151674, past the embedding table), as vLLM's
+    #: ``interns1.py`` rewrites them (:mod:`mmgate.models.internvl_video`): only a vLLM worker embeds them
+    vllm_video_ids = True
+    text_updates = frozenset({Modality.VIDEO})  # the clip's Frame{i}: text (images: token-level)
 
     def __init__(self, images: InternVLImages, video: InternVLVideo | None, reserved: tuple[str, ...]) -> None:
         self._images = images

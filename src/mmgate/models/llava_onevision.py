@@ -135,6 +135,8 @@ class LlavaOnevisionFamily:
     model_types = ("llava_onevision",)
     limits: Mapping[Modality, int] = {Modality.IMAGE: DEFAULT_IMAGE_LIMIT, Modality.VIDEO: 1}
     mrope = False  # 1-D positions, one per token
+    vllm_video_ids = False  # the clip's ids are the model's own <video> token
+    text_updates: frozenset[Modality] = frozenset()  # token-level images and clips
 
     def __init__(self, image: OnevisionImages, video: OnevisionVideo | None, image_limit: int,
                  reserved: tuple[str, ...]) -> None:

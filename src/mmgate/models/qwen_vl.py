@@ -256,6 +256,8 @@ class QwenVLFamily:
     #: the three configs' ``rope_scaling`` / ``rope_parameters`` carry ``mrope_section`` (transformers 5.24
     #: ``Qwen2VLModel.get_rope_index`` and its Qwen2.5 / Qwen3 copies)
     mrope = True
+    vllm_video_ids = False  # the clip's ids are the model's own <|video_pad|>
+    text_updates: frozenset[Modality] = frozenset()  # token-level images and clips
     image_token = "<|image_pad|>"
     video_tokens = ("<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
 

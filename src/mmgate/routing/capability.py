@@ -15,7 +15,10 @@ and no wire carries them: they are always refused here, so planning never sees t
 The matrix's second axis is asked of the family (:func:`media_positions`): media of an M-RoPE family
 (``Family.mrope``: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) is not taken by an SGLang worker, which would
 position it as text (``mrope_media_not_supported``, 400; docs/engines-sglang.md), unless
-``--sglang-allow-mrope-media``.
+``--sglang-allow-mrope-media``.  Its third axis too: the clips of a family whose placeholder ids are vLLM's
+rewrite (``Family.vllm_video_ids``) are taken only by workers whose wire embeds those ids
+(:data:`mmgate.engines.capabilities.VIDEO_IDS`); with only other workers
+registered they are ``multimodal_not_supported`` (400), before any fetch.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from mmgate.request.protocol import (
     ImagePart,
     VideoPart,
 )
-from mmgate.engines.capabilities import KIND_MODALITY, MediaKind, MediaPositions, Positions
+from mmgate.engines.capabilities import KIND_MODALITY, MediaKind, MediaPositions, Positions, VideoIds
 
 if TYPE_CHECKING:
     from mmgate.routing.context import DispatchContext
@@ -53,11 +56,13 @@ def media_kinds(req: ChatCompletionRequest) -> dict[MediaKind, str]:
 
 def media_positions(state: DispatchContext) -> MediaPositions:
     """How the served model positions media, asked of its family (``Family.mrope``; no family: text only, 1-D),
-    with ``--sglang-allow-mrope-media``."""
+    with ``--sglang-allow-mrope-media``, and which ids its clip placeholders are (``Family.vllm_video_ids``)."""
     family = state.runtime.family
     mrope = family is not None and family.mrope
+    vllm_ids = family is not None and family.vllm_video_ids
     return MediaPositions(Positions.MROPE if mrope else Positions.ROPE,
-                          sglang_allow_mrope_media=state.settings.sglang_allow_mrope_media)
+                          sglang_allow_mrope_media=state.settings.sglang_allow_mrope_media,
+                          video_ids=VideoIds.VLLM if vllm_ids else VideoIds.MODEL)
 
 
 def check_capable(state: DispatchContext, req: ChatCompletionRequest) -> None:

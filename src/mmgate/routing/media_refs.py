@@ -8,6 +8,8 @@ Nothing is fetched here.  The engine message carries the *unexpanded* prompt
 (one anchor per item) and the media URLs in prompt order
 (``GenerateRequest.media_refs``); the worker fetches, preprocesses and
 expands.  Refusals before sending: every planning refusal, the anchor count,
+an item whose prompt update is text-level (``multimodal_not_supported``: it needs
+the prompt text, ``Family.text_updates``),
 ``media_ref_too_large`` (an inline ``data:`` URL above its modality's cap),
 ``no_healthy_worker`` (no capable worker, 503) and
 ``unsupported_media_url_scheme`` (a scheme the worker does not fetch).  The
@@ -31,6 +33,7 @@ from mmgate.routing.dispatch import Dispatcher, EngineAnswer, Tally, finish
 from mmgate.routing.mm_processing import (
     Mode,
     check_anchor_counts,
+    check_id_level,
     refs_key,
     select_processing_worker,
 )
@@ -68,6 +71,7 @@ class MediaRefsDispatcher(Dispatcher):
         refs = plan.media
         with metrics.stage("forward_checks", timings, state.runtime.served_name):
             check_anchor_counts(ids, refs, state.runtime.family)
+            check_id_level(refs, state.runtime.family)
             check_ref_sizes(refs, state.settings.fetch)
             key = refs_key(ids, refs, state.runtime.family)
             worker = select_processing_worker(state.workers, refs, RouteRequest.current(key, req.user))

@@ -172,6 +172,24 @@ def check_anchor_counts(ids: Sequence[int], refs: Sequence[MediaRef], family: Fa
                                "messages")
 
 
+def check_id_level(refs: Sequence[MediaRef], family: Family | None) -> None:
+    """Every item's prompt update can be made from ids alone, before anything is forwarded: a family's
+    text-level updates (``Family.text_updates``: the prompt text re-tokenized with the update in place) need the
+    prompt text, which media references do not carry, so the worker would fetch the item and then fail.
+
+    Raises:
+        GatewayError(MULTIMODAL_NOT_SUPPORTED): 400, ``param`` naming the first such item.
+    """
+    if family is None:
+        return
+    for ref in refs:
+        if ref.modality in family.text_updates:
+            raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED,
+                               f"this model's {ref.modality.value} prompt updates are text-level: they need the prompt "
+                               "text, which media references do not carry; use --mm-processing router "
+                               "(docs/media-processing.md)", ref.param)
+
+
 def refs_key(ids: Sequence[int], refs: Sequence[MediaRef], family: Family | None) -> RoutingKey:
     """The routing key of a request whose media the worker fetches (worker mode): the unexpanded prompt with
     each item's anchor keyed by its URL (blake3 of the URL and the item's hints), the gateway knowing neither

@@ -33,7 +33,9 @@ anything is fetched (:meth:`WorkerRegistry.check_kinds`); selection refuses the 
 way when the healthy workers cannot take it.  The matrix's second axis, how the model positions its
 media (:class:`~mmgate.engines.capabilities.MediaPositions`), narrows both: media of an M-RoPE model
 is not taken by an SGLang worker (``mrope_media_not_supported``, 400) unless
-``--sglang-allow-mrope-media``.  A worker whose wire has no adapter in
+``--sglang-allow-mrope-media``.  Its third axis, which ids the model's clip placeholders are
+(``MediaPositions.video_ids``), narrows them too: a clip whose ids only some wires embed is not taken by
+a worker of any other wire (``multimodal_not_supported``, 400).  A worker whose wire has no adapter in
 this gateway is listed and counted, never selected.
 
 Admission (no ``--model``, issue 25): after a worker's first passing probe its model is found and loaded
@@ -61,7 +63,7 @@ from typing import TYPE_CHECKING
 from mmgate.observe import metrics
 from mmgate.engines.adapter import WireAdapter, adapter_for
 from mmgate.engines.base import Capabilities, Probe, ProbeOutcome, Role
-from mmgate.engines.capabilities import MediaKind, MediaPositions, any_wire_takes, takes, takes_all
+from mmgate.engines.capabilities import KIND_MODALITY, MediaKind, MediaPositions, any_wire_takes, takes, takes_all
 from mmgate.engines.client import DEFAULT_KEEPALIVE, WorkerClient
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.config.settings import RoutingSettings
@@ -269,6 +271,16 @@ def _mrope_refusal(what: str, wires: Iterable[str], param: str) -> GatewayError:
                         f"(wire: {', '.join(sorted(wires))}) compute as text-only positions from preprocessed "
                         "tensors; use a vLLM or TokenSpeed worker, or start the gateway with "
                         "--sglang-allow-mrope-media to send it anyway (docs/engines-sglang.md)", param)
+
+
+def _ids_refusal(what: str, wires: Iterable[str], param: str, positions: MediaPositions) -> GatewayError:
+    """``multimodal_not_supported``: ``what`` media whose placeholder ids the model's family lays out for some
+    wires only (``Family.vllm_video_ids``), taken only by workers of ``wires``, whose engines do not embed them."""
+    readers = ", ".join(sorted(w.value for w in positions.id_readers()))
+    return GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED,
+                        f"this model's {what} placeholder ids are laid out for the {positions.video_ids.value} "
+                        f"wire, which the workers that take {what} input (wire: {', '.join(sorted(wires))}) do not "
+                        f"embed; use a worker of wire {readers} (docs/engines.md, capability matrix)", param)
 
 
 def _serves(worker: Worker, role: Role) -> bool:
@@ -480,14 +492,16 @@ class WorkerRegistry:
 
         ``kinds``: each kind of media the request carries -> the ``param`` of its first content part.
         ``positions``: how the model positions media; a worker whose wire loses that scheme
-        (:meth:`MediaPositions.kept`) takes none of its media.
+        (:meth:`MediaPositions.kept`) takes none of its media, and one whose engine does not embed the
+        model's clip placeholder ids (:meth:`MediaPositions.ids_read`) takes none of its clips.
         A kind no wire takes at all (precomputed embeddings) is always refused; any other is refused
         when some worker's capabilities are known and none of them takes it (workers that failed their
         last probe included: their capabilities stand until the next passing probe).  With no worker
         known yet the request goes on (selection decides).
 
         Raises:
-            GatewayError(MULTIMODAL_NOT_SUPPORTED): 400, ``param`` naming the first such part.
+            GatewayError(MULTIMODAL_NOT_SUPPORTED): 400, ``param`` naming the first such part (also: the
+                workers that take the kind all fail :meth:`MediaPositions.ids_read`).
             GatewayError(MROPE_MEDIA_NOT_SUPPORTED): 400, the workers that take the kind all lose the model's
                 M-RoPE positions (SGLang wire without ``--sglang-allow-mrope-media``).
         """
@@ -506,6 +520,11 @@ class WorkerRegistry:
                 raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED,
                                    f"no worker of this model takes {kind.value} input (wire: {wires}; "
                                    "docs/engines.md, capability matrix)", param)
+            modality = KIND_MODALITY.get(kind)
+            reading = [caps for caps in taking if modality is None or positions.ids_read(caps.wire, modality)]
+            if not reading:
+                raise _ids_refusal(kind.value, {caps.wire.value for caps in taking}, param, positions)
+            taking = reading
             if not any(positions.kept(caps.wire) for caps in taking):
                 raise _mrope_refusal(kind.value, {caps.wire.value for caps in taking}, param)
 
@@ -534,6 +553,11 @@ class WorkerRegistry:
             names = ", ".join(sorted(m.value for m in wanted))
             raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED, f"no worker of this model accepts {names} input")
         if wanted:
+            reading = [w for w in capable if w.caps is not None and positions.all_read(w.caps.wire, wanted)]
+            if not reading:
+                names = ", ".join(sorted(m.value for m in wanted))
+                raise _ids_refusal(names, {w.wire for w in capable}, "messages", positions)
+            capable = reading
             positioned = [w for w in capable if w.caps is not None and positions.kept(w.caps.wire)]
             if not positioned:
                 names = ", ".join(sorted(m.value for m in wanted))

@@ -1,0 +1,122 @@
+"""Worker-side processing (``--mm-processing worker``) of InternVL3: clips are refused before anything is
+forwarded, images are processed on the worker.
+
+An InternVL clip's prompt update is text-level (``Frame{i}: <img>...</img>`` text re-tokenized with the prompt,
+``Family.text_updates``); media references carry only the unexpanded ids, so the worker would fetch the clip
+and then fail ("they need the prompt text").  The gateway refuses such an item itself, 400
+``multimodal_not_supported`` with the clip's content part as ``param``, before the worker is sent anything
+(so nothing is fetched).  Real parts: one reference engine (``--mm-processor inprocess``, loopback origins
+allowed, recording its model inputs with ``--record-dir``), in-thread gateways in worker and router mode, a
+loopback media origin.  Controls: an InternVL image in worker mode is served and reaches the model exactly as
+in router mode; the same clip in router mode is served.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from mmgate.cli.launch import Child, start_engine
+from mmgate.config.settings import FetchSettings, MmProcessing, Settings
+from tests.conftest import bundle_dir
+from tests.support.servers import MediaOrigin, gateway_in_thread, media_origin
+from tests.video.video_support import ClipSpec, make_clip
+
+MODEL = "OpenGVLab/InternVL3-1B-hf"
+CONTEXT_ID = 151667  # <IMG_CONTEXT>
+
+
+def png() -> bytes:
+    arr = np.random.default_rng(3).integers(0, 256, (40, 60, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def origin() -> Iterator[MediaOrigin]:
+    with media_origin() as o:
+        yield o
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Child, Path]]:
+    root = tmp_path_factory.mktemp("ivl-worker-mode")
+    records = root / "records"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_WAIT_POLICY="PASSIVE")
+    child = start_engine(str(bundle_dir(MODEL)), ["--mm-processor", "inprocess", "--mm-allow-private-media-hosts",
+                                                  "--record-dir", str(records)], root, env)
+    try:
+        yield child, records
+    finally:
+        child.stop()
+
+
+def settings(engine: Child, mode: MmProcessing) -> Settings:
+    return Settings(model=str(bundle_dir(MODEL)), served_model_name=MODEL, mm_processing=mode,
+                    fetch=FetchSettings(allow_private_hosts=True), worker_urls=(f"grpc://127.0.0.1:{engine.port}",),
+                    worker_health_interval_s=0.2)
+
+
+def recorded(records: Path) -> set[Path]:
+    return set(records.glob("*.npz")) if records.exists() else set()
+
+
+def chat(part: dict) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": [part, {"type": "text", "text": "What is it?"}]}],
+            "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+
+
+def post(base: str, body: dict) -> httpx.Response:
+    return httpx.post(base + "/v1/chat/completions", json=body, timeout=300)
+
+
+def test_internvl_clip_in_worker_mode_is_refused_before_anything_is_forwarded(
+        engine: tuple[Child, Path], origin: MediaOrigin, tmp_path: Path) -> None:
+    child, records = engine
+    clip = make_clip(ClipSpec("ivl-wm", 4, 8, 64, 48), tmp_path).read_bytes()
+    url = origin.add("/ivl-wm-clip.mp4", clip, "video/mp4")
+    before = recorded(records)
+    with gateway_in_thread(settings(child, MmProcessing.WORKER)) as base:
+        refused = post(base, chat({"type": "video_url", "video_url": {"url": url}}))
+    assert refused.status_code == 400, refused.text
+    assert refused.headers["X-SMG-Error-Code"] == "multimodal_not_supported"
+    assert "X-Mmgate-Mm-Processing" not in refused.headers  # refused by the gateway, not answered by the worker
+    error = refused.json()["error"]
+    assert error["param"] == "messages[0].content[0]" and "text-level" in error["message"], error
+    assert "/ivl-wm-clip.mp4" not in origin.settled()
+    assert recorded(records) == before  # the model ran nothing for it
+    # the same clip in router mode, on the same engine: served
+    with gateway_in_thread(settings(child, MmProcessing.ROUTER)) as base:
+        served = post(base, chat({"type": "video_url", "video_url": {"url": url}}))
+    assert served.status_code == 200, served.text
+    assert origin.settled()["/ivl-wm-clip.mp4"] == 1
+
+
+def test_internvl_image_in_worker_mode_reaches_the_model_as_in_router_mode(
+        engine: tuple[Child, Path], origin: MediaOrigin) -> None:
+    child, records = engine
+    url = origin.add("/ivl-wm-image.png", png(), "image/png")
+    answers: dict[str, httpx.Response] = {}
+    for mode in (MmProcessing.ROUTER, MmProcessing.WORKER):
+        with gateway_in_thread(settings(child, mode)) as base:
+            answers[mode.value] = post(base, chat({"type": "image_url", "image_url": {"url": url}}))
+    for mode, resp in answers.items():
+        assert resp.status_code == 200, (mode, resp.text)
+    assert answers["worker"].headers.get("X-Mmgate-Mm-Processing") == "worker"
+    router, worker = (np.load(records / f"{answers[m].headers['X-Request-Id']}.npz") for m in ("router", "worker"))
+    assert sorted(router.files) == sorted(worker.files)
+    for key in router.files:
+        assert router[key].dtype == worker[key].dtype and np.array_equal(router[key], worker[key]), key
+    ids = router["input_ids"][0].tolist()
+    assert ids.count(CONTEXT_ID) == 256 * router["pixel_values"].shape[0]
+    a, b = answers["router"].json(), answers["worker"].json()
+    assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"] == len(ids)
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
