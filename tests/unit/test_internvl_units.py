@@ -111,3 +111,24 @@ def test_the_clip_text_holds_256_context_tokens_per_frame(frames: int) -> None:
     text = frame_text(frames, "<img>", "<video>", "</img>", 256)
     ids = tok.tokenizer.encode("\n" + text, add_special_tokens=False).ids[1:]
     assert ids.count(VIDEO) == 256 * frames and ids[:5] == [4369, 16, 25, 220, START]  # "Frame", "1", ":", " "
+
+
+@pytest.mark.parametrize(("hints", "param"), [
+    ({"fps": 2.0}, "messages[0].content[0].fps"),
+    ({"max_long_side_pixel": 448}, "messages[0].content[0].max_long_side_pixel"),
+    ({"options": (("max_patches", 6),)}, "mm_processor_kwargs"),
+])
+def test_a_clip_takes_no_hint(hints: dict, param: str) -> None:
+    """vLLM samples an InternVL clip's frames and sizes them itself; a hint would be ignored, so it is refused
+    (and never splits the fetch or cache key of one clip)."""
+    from mmgate.errors import ErrorCode, GatewayError
+    from mmgate.models.backend import ImageBackend
+    from mmgate.models.registry import load_family
+    from mmgate.types import ItemHints
+
+    bundle = load_bundle(bundle_dir(MODEL))
+    family = load_family(bundle, load_tokenizer(bundle), ImageBackend.PIL)
+    assert family is not None and family.video is not None
+    with pytest.raises(GatewayError) as err:
+        family.video.check_hints(ItemHints(**hints), "messages[0].content[0]")
+    assert err.value.code is ErrorCode.INVALID_REQUEST and err.value.param == param

@@ -1,14 +1,13 @@
-"""Worker-side processing (``--mm-processing worker``) of InternVL3: clips are refused before anything is
-forwarded, images are processed on the worker.
+"""Worker-side processing (``--mm-processing worker|auto``) of InternVL3: clips are processed by the gateway,
+images on the worker.
 
 An InternVL clip's prompt update is text-level (``Frame{i}: <img>...</img>`` text re-tokenized with the prompt,
 ``Family.text_updates``); media references carry only the unexpanded ids, so the worker would fetch the clip
-and then fail ("they need the prompt text").  The gateway refuses such an item itself, 400
-``multimodal_not_supported`` with the clip's content part as ``param``, before the worker is sent anything
-(so nothing is fetched).  Real parts: one reference engine (``--mm-processor inprocess``, loopback origins
+and then fail ("they need the prompt text").  A request with such an item is not forwardable: it is decided
+router / ``plan_not_forwardable`` and answered as in router mode.  Real parts: one reference engine (``--mm-processor inprocess``, loopback origins
 allowed, recording its model inputs with ``--record-dir``), in-thread gateways in worker and router mode, a
 loopback media origin.  Controls: an InternVL image in worker mode is served and reaches the model exactly as
-in router mode; the same clip in router mode is served.
+in router mode.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from PIL import Image
 
 from mmgate.cli.launch import Child, start_engine
 from mmgate.config.settings import FetchSettings, MmProcessing, Settings
+from mmgate.observe.metrics import REGISTRY
 from tests.conftest import bundle_dir
 from tests.support.servers import MediaOrigin, gateway_in_thread, media_origin
 from tests.video.video_support import ClipSpec, make_clip
@@ -78,26 +78,27 @@ def post(base: str, body: dict) -> httpx.Response:
     return httpx.post(base + "/v1/chat/completions", json=body, timeout=300)
 
 
-def test_internvl_clip_in_worker_mode_is_refused_before_anything_is_forwarded(
+def test_internvl_clip_in_worker_mode_is_processed_by_the_gateway(
         engine: tuple[Child, Path], origin: MediaOrigin, tmp_path: Path) -> None:
     child, records = engine
     clip = make_clip(ClipSpec("ivl-wm", 4, 8, 64, 48), tmp_path).read_bytes()
     url = origin.add("/ivl-wm-clip.mp4", clip, "video/mp4")
-    before = recorded(records)
-    with gateway_in_thread(settings(child, MmProcessing.WORKER)) as base:
-        refused = post(base, chat({"type": "video_url", "video_url": {"url": url}}))
-    assert refused.status_code == 400, refused.text
-    assert refused.headers["X-SMG-Error-Code"] == "multimodal_not_supported"
-    assert "X-Mmgate-Mm-Processing" not in refused.headers  # refused by the gateway, not answered by the worker
-    error = refused.json()["error"]
-    assert error["param"] == "messages[0].content[0]" and "text-level" in error["message"], error
-    assert "/ivl-wm-clip.mp4" not in origin.settled()
-    assert recorded(records) == before  # the model ran nothing for it
-    # the same clip in router mode, on the same engine: served
-    with gateway_in_thread(settings(child, MmProcessing.ROUTER)) as base:
-        served = post(base, chat({"type": "video_url", "video_url": {"url": url}}))
-    assert served.status_code == 200, served.text
-    assert origin.settled()["/ivl-wm-clip.mp4"] == 1
+    labels = {"model": MODEL, "mode": "router", "reason": "plan_not_forwardable"}
+    answers = {}
+    for mode in (MmProcessing.WORKER, MmProcessing.AUTO, MmProcessing.ROUTER):
+        before = REGISTRY.get_sample_value("smg_mm_processing_total", labels) or 0.0
+        with gateway_in_thread(settings(child, mode)) as base:
+            answers[mode] = post(base, chat({"type": "video_url", "video_url": {"url": url}}))
+        assert answers[mode].status_code == 200, (mode, answers[mode].text)
+        assert "X-Mmgate-Mm-Processing" not in answers[mode].headers, mode  # set only on the worker path
+        # worker and auto (the engine advertises a media processor): the clip's update is text-level, so the
+        # decision is router / plan_not_forwardable; router mode is decided by its setting
+        want = 0.0 if mode is MmProcessing.ROUTER else 1.0
+        assert (REGISTRY.get_sample_value("smg_mm_processing_total", labels) or 0.0) - before == want, mode
+    usage = {m: a.json()["usage"]["prompt_tokens"] for m, a in answers.items()}
+    assert len(set(usage.values())) == 1, usage
+    texts = {m: a.json()["choices"][0]["message"]["content"] for m, a in answers.items()}
+    assert len(set(texts.values())) == 1, texts
 
 
 def test_internvl_image_in_worker_mode_reaches_the_model_as_in_router_mode(

@@ -132,7 +132,8 @@ class InternVLVideo:
                 f"{self.resample}:{self.lut_params!r}:{self.seq}")
 
     def check_hints(self, hints: ItemHints, param: str) -> None:
-        """Raises GatewayError(INVALID_REQUEST): ``max_long_side_pixel`` or ``mm_processor_kwargs``."""
+        """Raises GatewayError(INVALID_REQUEST): ``fps``, ``max_long_side_pixel`` or ``mm_processor_kwargs``
+        (the frames follow vLLM's sampling or every frame, the size the model's)."""
         check_no_hints(hints, param, self.model_type)
 
     def sample(self, meta: VideoMeta, hints: ItemHints) -> list[int]:

@@ -247,8 +247,12 @@ def check_no_hints(hints: ItemHints, param: str, model_type: str) -> None:
     """Refuse every per-item hint: these processors have no knob a hint maps to.
 
     Raises:
-        GatewayError(INVALID_REQUEST): ``max_long_side_pixel`` set, or any ``mm_processor_kwargs``.
+        GatewayError(INVALID_REQUEST): ``fps`` (a clip's, where the family samples frames itself) or
+        ``max_long_side_pixel`` set, or any ``mm_processor_kwargs``.
     """
+    if hints.fps is not None:
+        raise GatewayError(ErrorCode.INVALID_REQUEST, f"{model_type} samples frames itself: fps is not supported",
+                           param + ".fps")
     if hints.max_long_side_pixel is not None:
         raise GatewayError(ErrorCode.INVALID_REQUEST,
                            f"{model_type} resizes every image to a fixed size: max_long_side_pixel is not supported",

@@ -189,14 +189,14 @@ class OnevisionVideo:
 
 def onevision_video_from_bundle(bundle: ModelBundle, tokenizer: BundleTokenizer, num_image_tokens: int,
                                 backend: ImageBackend | None, sampling: FrameSampling) -> OnevisionVideo | None:
-    """The video side, or None when PyAV is missing or the bundle has no ``<video>`` token.
+    """The video side, or None when PyAV is missing (a bundle without its ``<video>`` token is refused).
 
     ``num_image_tokens``: the processor's (729); a frame keeps ``ceil(sqrt(729) / 2)**2`` = 196.
     ``backend``: the reference video processor is torchvision-only, so None means torchvision.
 
     Raises:
-        GatewayError(INTERNAL_ERROR): a video ``size`` that is not height/width, or a ``<video>``
-            id that disagrees with ``config.json`` ``video_token_index``.
+        GatewayError(INTERNAL_ERROR): a video ``size`` that is not height/width, a ``<video>`` that is not
+            a token, or its id disagreeing with ``config.json`` ``video_token_index``.
     """
     from mmgate.media.video import av_available
 

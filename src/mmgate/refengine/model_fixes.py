@@ -27,6 +27,7 @@ Fixes:
 from __future__ import annotations
 
 import inspect
+import threading
 from typing import Any
 
 import torch
@@ -47,19 +48,24 @@ def llama4_forward_is_buggy(cls: type) -> bool:
 
 
 def _fix_llama4_image_outputs(model: torch.nn.Module) -> None:
-    """Hooks that give the language model's output the call's image encoder output (module docstring)."""
-    noted: dict[str, Any] = {"image": None}
+    """Hooks that give the language model's output the call's image encoder output (module docstring).
+
+    What a call noted is kept per thread (the engine may run forwards on several threads at once) and dropped
+    once the language model's output holds it, so no request's vision output outlives its call."""
+    noted = threading.local()
 
     def before(_module: torch.nn.Module, _args: tuple, kwargs: dict[str, Any]) -> None:
         given = kwargs.get("mm_encoder_outputs") or {}
-        noted["image"] = given.get("image")
+        noted.image = given.get("image")
 
     def tower(_module: torch.nn.Module, _args: tuple, output: Any) -> None:
-        noted["image"] = output
+        noted.image = output
 
     def language(_module: torch.nn.Module, _args: tuple, output: Any) -> None:
+        image = getattr(noted, "image", None)
+        noted.image = None
         if not isinstance(output, tuple) and not hasattr(output, "image_outputs"):
-            output.image_outputs = noted["image"]
+            output.image_outputs = image
 
     vision_model: torch.nn.Module = getattr(model, "vision_model")
     language_model: torch.nn.Module = getattr(model, "language_model")

@@ -104,9 +104,13 @@ def media_parts(req: ChatCompletionRequest) -> list[msgspec.Struct]:
             if not isinstance(part, TextPart)]
 
 
-def forwardable(parts: Iterable[msgspec.Struct]) -> bool:
-    """Every media part is an image_url or video_url without hints (audio is never forwarded)."""
-    return all(isinstance(p, (ImagePart, VideoPart)) and not struct_hints(p) for p in parts)
+def forwardable(parts: Iterable[msgspec.Struct], text_updates: frozenset[Modality] = frozenset()) -> bool:
+    """Every media part is an image_url or video_url without hints (audio is never forwarded) whose modality's
+    prompt updates are made from ids alone (not in the family's ``text_updates``: a text-level update needs the
+    prompt text, which media references do not carry)."""
+    return all(isinstance(p, (ImagePart, VideoPart)) and not struct_hints(p)
+               and (Modality.IMAGE if isinstance(p, ImagePart) else Modality.VIDEO) not in text_updates
+               for p in parts)
 
 
 def model_opted_in(models: tuple[str, ...] | None, runtime: ModelRuntime) -> bool:
@@ -145,9 +149,11 @@ def decide_request(req: ChatCompletionRequest, settings: Settings, runtime: Mode
     parts = media_parts(req)
     if not parts:
         return None
-    # Media references carry neither per-item hints nor the request's processor kwargs.
+    # Media references carry neither per-item hints, nor the request's processor kwargs, nor the prompt text a
+    # text-level update needs: such a request is processed here (router, plan_not_forwardable).
+    text_updates = runtime.family.text_updates if runtime.family is not None else frozenset()
     decision = decide(settings.mm_processing, model_opted_in(settings.mm_processing_models, runtime),
-                      forwardable(parts) and not req.mm_processor_kwargs, workers)
+                      forwardable(parts, text_updates) and not req.mm_processor_kwargs, workers)
     metrics.MM_PROCESSING.labels(runtime.served_name, decision.mode.value, decision.reason.value).inc()
     return decision
 
@@ -173,7 +179,8 @@ def check_anchor_counts(ids: Sequence[int], refs: Sequence[MediaRef], family: Fa
 
 
 def check_id_level(refs: Sequence[MediaRef], family: Family | None) -> None:
-    """Every item's prompt update can be made from ids alone, before anything is forwarded: a family's
+    """Every item's prompt update can be made from ids alone, before anything is forwarded (a defensive check:
+    :func:`decide_request` already sends such requests down the router path): a family's
     text-level updates (``Family.text_updates``: the prompt text re-tokenized with the update in place) need the
     prompt text, which media references do not carry, so the worker would fetch the item and then fail.
 
