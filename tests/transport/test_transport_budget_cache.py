@@ -158,6 +158,28 @@ def test_device_normalize_worker_gets_uint8_that_normalizes_to_the_same_values()
     assert np.array_equal(normalized, floats)
 
 
+def test_a_family_whose_reference_normalizes_in_bfloat16_sends_values_to_a_device_normalize_worker() -> None:
+    """Llama 4's reference rescales and normalizes in bfloat16 (transformers 5.24 ``Llama4ImageProcessor``), which
+    a worker's float32 device normalize would not reproduce: the gateway sends the normalized values, exactly the
+    transformers processor's (bfloat16 values as float32), even to a worker advertising ``mm_device_do_normalize``."""
+    from transformers import AutoProcessor
+
+    llama4 = "meta-llama/Llama-4-Scout-17B-16E-Instruct"
+    image = png(130, 250, 3)
+    body = {"model": llama4, "max_tokens": 1, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(image)}}]}]}
+    w = FakeWorker(FakeWorkerState(labels={"mm_device_do_normalize": True}))
+    try:
+        with gateway_in_thread(Settings(model=str(bundle_dir(llama4)), worker_urls=(w.url,))) as base:
+            assert post(base, body).status_code == 200
+    finally:
+        w.stop()
+    sent = w.state.received[0].tensors["pixel_values"]
+    ref = AutoProcessor.from_pretrained(bundle_dir(llama4)).image_processor(
+        images=[Image.open(io.BytesIO(image))], return_tensors="pt")["pixel_values"]
+    assert sent.dtype == np.float32 and np.array_equal(sent, ref.float().numpy())
+
+
 def test_cache_hit_equals_miss_bit_for_bit_and_is_counted(worker: FakeWorker) -> None:
     body = chat([data_url(png(200, 300, 4)), data_url(png(90, 60, 5))])
     with gateway_in_thread(settings(worker, pixel_cache_bytes=64 * 1024 * 1024)) as base:

@@ -63,6 +63,9 @@ class _Processor(Protocol):
     modality: Modality
     #: the tensors it produces, the primary (encoder input) first
     specs: tuple[TensorSpec, ...]
+    #: whether a worker that normalizes on its device (``raw`` uint8 pixels) reproduces the reference's
+    #: values; False keeps the normalization in the gateway whatever the worker offers
+    device_normalizable: bool
 
     @property
     def anchor_token_id(self) -> int:

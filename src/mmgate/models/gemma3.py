@@ -219,6 +219,7 @@ class Gemma3Images:
     """The image processor of Gemma 3 (see module docstring)."""
 
     modality = Modality.IMAGE
+    device_normalizable = True  # a worker may normalize the raw uint8 pixels itself (float32, as the reference)
     specs: tuple[TensorSpec, ...] = (
         TensorSpec("pixel_values", "float32", TensorLayout.FLAT, sizes_key="num_patches", primary=True),
         TensorSpec("num_patches", "int64", TensorLayout.BATCHED),

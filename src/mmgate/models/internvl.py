@@ -157,6 +157,7 @@ class InternVLImages:
     """The image processor of InternVL3 (see module docstring)."""
 
     modality = Modality.IMAGE
+    device_normalizable = True  # a worker may normalize the raw uint8 pixels itself (float32, as the reference)
     specs: tuple[TensorSpec, ...] = (
         TensorSpec("pixel_values", "float32", TensorLayout.FLAT, sizes_key="image_num_patches", primary=True),
         TensorSpec("image_num_patches", "int64", TensorLayout.BATCHED),

@@ -93,6 +93,7 @@ class InternVLVideo:
     """The clip processor of InternVL3 (see the module docstring)."""
 
     modality = Modality.VIDEO
+    device_normalizable = True  # a worker may normalize the raw uint8 pixels itself (float32, as the reference)
     specs: tuple[TensorSpec, ...] = (
         TensorSpec("pixel_values", "float32", TensorLayout.FLAT, sizes_key="video_num_patches", primary=True),
         TensorSpec("video_num_patches", "int64", TensorLayout.BATCHED),

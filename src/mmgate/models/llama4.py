@@ -199,6 +199,9 @@ class Llama4Images:
     """Llama 4 images (module docstring).  ``ItemPlan.detail``: ``(rows, cols)`` of the canvas in tiles."""
 
     modality = Modality.IMAGE
+    #: the reference normalizes in bfloat16 (a table here): a worker's float32 device normalize would differ,
+    #: so Llama 4 always sends the normalized values
+    device_normalizable = False
     specs = (TensorSpec("pixel_values", "float32", TensorLayout.FLAT, sizes_key="patches_per_image", primary=True),
              TensorSpec("patches_per_image", "int64", TensorLayout.BATCHED),
              TensorSpec("aspect_ratios", "int64", TensorLayout.BATCHED))

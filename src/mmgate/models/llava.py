@@ -267,6 +267,7 @@ class ClipCropImages:
     """LLaVA-1.5 images: shortest-edge resize, center crop, normalize (module docstring)."""
 
     modality = Modality.IMAGE
+    device_normalizable = True  # a worker may normalize the raw uint8 pixels itself (float32, as the reference)
     specs = (TensorSpec("pixel_values", "float32", TensorLayout.BATCHED, primary=True),)
 
     def __init__(self, model_type: str, params: ClipParams, tokens: ImageTokens, backend: ImageBackend) -> None:

@@ -131,6 +131,7 @@ class AnyresImages:
     """LLaVA-NeXT images (module docstring).  ``ItemPlan.detail``: ``(best_h, best_w, pad_top, pad_left)``."""
 
     modality = Modality.IMAGE
+    device_normalizable = True  # a worker may normalize the raw uint8 pixels itself (float32, as the reference)
     specs = (TensorSpec("pixel_values", "float32", TensorLayout.BATCHED, primary=True),
              TensorSpec("image_sizes", "int64", TensorLayout.BATCHED))
 

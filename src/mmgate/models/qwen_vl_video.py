@@ -106,6 +106,7 @@ class QwenVLVideo:
         self.specs: tuple[TensorSpec, ...] = tuple(specs)
 
     modality = Modality.VIDEO
+    device_normalizable = True  # a worker may normalize the raw uint8 pixels itself (float32, as the reference)
 
     @property
     def anchor_token_id(self) -> int:

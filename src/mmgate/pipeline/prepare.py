@@ -355,6 +355,7 @@ class Pipeline:
                     raw = choose_worker(modalities, expanded_key(ids, {
                         procs[m].anchor_token_id: [(h, _run(rep)) for h, rep in zip(hashes[m], reps[m])]
                         for m in reps}))
+                    raw = raw and all(procs[m].device_normalizable for m in reps)
                 if limit is not None:
                     items = [*zip(image_plans, images), *((vp.item, r) for vp, r in zip(video_plans, videos))]
                     _check_payload(items, element_bytes(self.settings.transport, raw), limit)
