@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmgate.models.internvl_video import reference_ids, vllm_frame_indices
+from mmgate.models.frame_sampling import vllm_frame_indices
+from mmgate.models.internvl_video import reference_ids
 from tests.e2e.test_families_e2e import STEPS, Stack, _model, _png, stack  # noqa: F401  (the fixture)
 from tests.video.video_support import ClipSpec, data_url, load, make_clip, processor
 

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmgate.models.llava_onevision_video import vllm_frame_indices
+from mmgate.models.frame_sampling import vllm_frame_indices
 from tests.e2e.test_families_e2e import (  # noqa: F401  (stack: the module-scoped fixture)
     LOGPROB_TOLERANCE,
     STEPS,

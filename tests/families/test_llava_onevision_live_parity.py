@@ -48,7 +48,7 @@ from mmgate.media.image import decode_image  # noqa: E402
 from mmgate.models.backend import FrameSampling, ImageBackend  # noqa: E402
 from mmgate.models.family import assemble  # noqa: E402
 from mmgate.models.llava_onevision import LlavaOnevisionFamily  # noqa: E402
-from mmgate.models.llava_onevision_video import vllm_frame_indices  # noqa: E402
+from mmgate.models.frame_sampling import vllm_frame_indices  # noqa: E402
 
 SEED = live.live_seed("llava_onevision")
 

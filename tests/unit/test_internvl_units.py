@@ -17,7 +17,8 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
 from mmgate.chat.tokenizer import load_tokenizer
 from mmgate.models.bundle import load_bundle
 from mmgate.models.internvl import optimal_tiled_canvas, supported_grids
-from mmgate.models.internvl_video import frame_text, reference_ids, vllm_frame_indices
+from mmgate.models.frame_sampling import vllm_frame_indices
+from mmgate.models.internvl_video import frame_text, reference_ids
 from mmgate.refengine.frames_as_images import merge_batches, rewrite_ids
 from mmgate.refengine.mm_inputs import MediaBatch
 from mmgate.transport.inline import to_tensor_data

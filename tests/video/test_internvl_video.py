@@ -25,7 +25,8 @@ import pytest
 
 from mmgate.config.settings import Settings
 from mmgate.models.backend import FrameSampling
-from mmgate.models.internvl_video import reference_ids, vllm_frame_indices
+from mmgate.models.frame_sampling import vllm_frame_indices
+from mmgate.models.internvl_video import reference_ids
 from mmgate.types import Modality
 from tests.conftest import bundle_dir
 from tests.support.fake_worker import FakeWorker, FakeWorkerState

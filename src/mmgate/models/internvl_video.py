@@ -46,6 +46,7 @@ from mmgate.errors import ErrorCode, GatewayError
 from mmgate.models import geometry
 from mmgate.models.backend import FrameSampling, ImageBackend
 from mmgate.models.bundle import ModelBundle
+from mmgate.models.frame_sampling import sample_every_or_vllm
 from mmgate.models.image_rows import RowNormalizer
 from mmgate.models.llava import check_no_hints
 from mmgate.types import (
@@ -60,21 +61,11 @@ from mmgate.types import (
     VideoPlan,
 )
 
-__all__ = ["VLLM_NUM_FRAMES", "InternVLVideo", "frame_text", "reference_ids", "vllm_frame_indices"]
+__all__ = ["InternVLVideo", "frame_text", "reference_ids"]
 
-#: vLLM ``VideoMediaIO`` default ``num_frames``
-VLLM_NUM_FRAMES = 32
 #: ``"Frame1: <img>"`` before the first context token (Frame, 1, :, " ", <img>) when the clip's text
 #: starts a pre-token (after a newline or a special token, as the template renders it)
 LEAD_TOKENS = 5
-
-
-def vllm_frame_indices(total_frames: int, num_frames: int = VLLM_NUM_FRAMES) -> list[int]:
-    """vLLM's OpenCV loader: every frame when ``total_frames <= num_frames``, else
-    ``np.linspace(0, total - 1, num_frames, dtype=int)`` (truncated).  Example: 301 -> 0, 9, 19, ..., 300."""
-    if total_frames <= num_frames:
-        return list(range(total_frames))
-    return [int(i) for i in np.linspace(0, total_frames - 1, num_frames, dtype=int)]
 
 
 def frame_text(num_frames: int, start: str, context: str, end: str, seq: int) -> str:
@@ -138,11 +129,13 @@ class InternVLVideo:
         check_no_hints(hints, param, self.model_type)
 
     def sample(self, meta: VideoMeta, hints: ItemHints) -> list[int]:
-        """vLLM's frames (:func:`vllm_frame_indices`), or every frame (``--video-frame-sampling
-        transformers``: ``do_sample_frames`` false)."""
-        if self.sampling is FrameSampling.TRANSFORMERS:
-            return list(range(meta.total_frames))
-        return vllm_frame_indices(meta.total_frames)
+        """vLLM's frames, or every frame (``--video-frame-sampling transformers``: ``do_sample_frames`` false);
+        :func:`mmgate.models.frame_sampling.sample_every_or_vllm`.
+
+        Raises:
+            GatewayError(MEDIA_DECODE_FAILED): a clip with no frames.
+        """
+        return sample_every_or_vllm(meta.total_frames, self.sampling)
 
     def plan(self, video: DecodedVideo, hints: ItemHints) -> VideoPlan:
         """One tile per decoded frame: ``num_tokens`` = ``256 * frames`` ``<video>`` tokens.

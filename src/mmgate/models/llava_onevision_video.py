@@ -42,7 +42,8 @@ from mmgate.errors import ErrorCode, GatewayError
 from mmgate.models import geometry
 from mmgate.models.backend import FrameSampling, ImageBackend
 from mmgate.models.bundle import ModelBundle
-from mmgate.models.llava import ClipParams, chw_values, clip_params, normalizer_for
+from mmgate.models.frame_sampling import sample_every_or_vllm
+from mmgate.models.llava import ClipParams, check_no_hints, chw_values, clip_params, normalizer_for
 from mmgate.types import (
     DecodedVideo,
     ItemHints,
@@ -55,23 +56,9 @@ from mmgate.types import (
     VideoPlan,
 )
 
-__all__ = ["VLLM_NUM_FRAMES", "OnevisionVideo", "onevision_tokens", "onevision_video_from_bundle",
-           "vllm_frame_indices"]
-
-#: vLLM 0.33 ``vllm/multimodal/media/video.py`` ``VideoMediaIO.__init__(num_frames=32)``
-VLLM_NUM_FRAMES = 32
+__all__ = ["OnevisionVideo", "onevision_tokens", "onevision_video_from_bundle"]
 
 
-def vllm_frame_indices(total: int, num_frames: int = VLLM_NUM_FRAMES) -> list[int]:
-    """The frames vLLM 0.33 ``OpenCVVideoBackend.load_bytes(num_frames=32)`` reads (no fps bound).
-
-    Examples: 7 frames -> ``[0..6]``; 33 -> ``np.linspace(0, 32, 32, dtype=int)`` (frame 31 skipped
-    ... ``[0, 1, ..., 30, 32]``); 301 -> 32 frames ``0, 9, 19, ..., 300``.
-    """
-    n = max(1, min(num_frames, total))
-    if n == total:
-        return list(range(total))
-    return [int(i) for i in np.linspace(0, total - 1, n, dtype=int)]
 
 
 def onevision_tokens(bundle: ModelBundle, tokenizer: BundleTokenizer, name: str, default: str,
@@ -132,15 +119,7 @@ class OnevisionVideo:
         Raises:
             GatewayError(INVALID_REQUEST): ``fps``, ``max_long_side_pixel`` or ``mm_processor_kwargs`` set.
         """
-        if hints.fps is not None:
-            raise GatewayError(ErrorCode.INVALID_REQUEST, f"{self.model_type} samples frames itself: fps is not "
-                               "supported", param + ".fps")
-        if hints.max_long_side_pixel is not None:
-            raise GatewayError(ErrorCode.INVALID_REQUEST, f"{self.model_type} resizes every frame to a fixed size: "
-                               "max_long_side_pixel is not supported", param + ".max_long_side_pixel")
-        if hints.options:
-            raise GatewayError(ErrorCode.INVALID_REQUEST, f"mm_processor_kwargs {hints.options[0][0]!r} is not "
-                               f"supported for {self.model_type}", "mm_processor_kwargs")
+        check_no_hints(hints, param, self.model_type)
 
     def sample(self, meta: VideoMeta, hints: ItemHints) -> list[int]:
         """Stream frame indices to decode (module docstring, "Frames").
@@ -148,11 +127,7 @@ class OnevisionVideo:
         Raises:
             GatewayError(MEDIA_DECODE_FAILED): a clip with no frames.
         """
-        if meta.total_frames <= 0:
-            raise GatewayError(ErrorCode.MEDIA_DECODE_FAILED, "video has no frames")
-        if self.sampling is FrameSampling.TRANSFORMERS:
-            return list(range(meta.total_frames))
-        return vllm_frame_indices(meta.total_frames)
+        return sample_every_or_vllm(meta.total_frames, self.sampling)
 
     def num_tokens(self, num_frames: int) -> int:
         """``num_frames * frame_tokens + 1`` (``replace_video_token``; vLLM ``get_num_video_tokens``)."""
