@@ -72,9 +72,8 @@ sglang        yes    no
 tokenspeed    yes    **no**
 ============  =====  ====
 
-* **vllm** rewrites some families' clip context ids to a token of its own (InternVL3:
-  ``vllm/model_executor/models/interns1.py`` ``InternS1MultiModalProcessor._call_hf_processor`` turns the
-  clip's ``<IMG_CONTEXT>`` into ``<video>``, id 151674, past the checkpoint's embedding table): its model
+* **vllm** rewrites some families' clip context ids to a token of its own, past the checkpoint's embedding
+  table (which family and why: that family's module, e.g. :mod:`mmgate.models.internvl_video`): its model
   runner reads them as embedding positions and never looks them up, so the gateway sends vLLM's ids.
 * **tokenspeed** (and **sglang**, which takes no video at all) embeds the prompt's ids with the model's
   table and finds the media positions from the item's own token: vLLM's rewritten ids are outside the

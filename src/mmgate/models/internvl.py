@@ -188,6 +188,7 @@ class InternVLImages:
 
     @property
     def fingerprint(self) -> str:
+        """The model and every preprocessing setting that shapes this processor's output (cache and hash key)."""
         return f"internvl:{self.model_type}:{self.backend.value}:{self.params!r}"
 
     def check_hints(self, hints: ItemHints, param: str) -> None:
@@ -324,14 +325,17 @@ class InternVLFamily:
 
     @property
     def fingerprint(self) -> str:
+        """The model and every preprocessing setting that shapes this processor's output (cache and hash key)."""
         return self._images.fingerprint
 
     @property
     def reserved_tokens(self) -> tuple[str, ...]:
+        """The media tokens user text may never produce (the prompt-integrity check)."""
         return self._reserved
 
     @property
     def image(self) -> InternVLImages:
+        """The image processor."""
         return self._images
 
     @property

@@ -120,6 +120,7 @@ class InternVLVideo:
 
     @property
     def fingerprint(self) -> str:
+        """The model and every preprocessing setting that shapes this processor's output (cache and hash key)."""
         return (f"internvl_video:{self.model_type}:{self.backend.value}:{self.sampling.value}:{self.size_hw}:"
                 f"{self.resample}:{self.lut_params!r}:{self.seq}")
 

@@ -216,17 +216,25 @@ class Llama4Images:
 
     @property
     def anchor_token_id(self) -> int:
+        """The token the chat template leaves once per item (the processor protocol's ``anchor_token_id``)."""
         return self.tokens.image
 
     @property
     def placeholder_token_id(self) -> int:
+        """The token that receives the encoder output (vLLM ``im_token_id``)."""
         return self.tokens.patch
 
     @property
     def fingerprint(self) -> str:
+        """The model and every preprocessing setting that shapes this processor's output (cache and hash key)."""
         return f"llama4:{self.model_type}:torchvision:{self.params!r}:{self.tokens.strings!r}"
 
     def check_hints(self, hints: ItemHints, param: str) -> None:
+        """Refuse every per-item hint and ``mm_processor_kwargs`` (:func:`mmgate.models.llava.check_no_hints`).
+
+        Raises:
+            GatewayError(INVALID_REQUEST): naming ``param``.
+        """
         check_no_hints(hints, param, self.model_type)
 
     def plan(self, height: int, width: int, hints: ItemHints | None = None) -> ItemPlan:
@@ -330,7 +338,8 @@ class Llama4Family(ImageOnlyFamily[Llama4Images]):
         cfg: dict[str, Any] = bundle.preprocessor_config or dict(bundle.processor_config.get("image_processor") or {})
         kind = str(cfg.get("image_processor_type", "Llama4ImageProcessor")).removesuffix("Fast")
         size = cfg.get("size") or {"height": 336, "width": 336}
-        if (kind != "Llama4ImageProcessor" or size.get("height") != size.get("width")
+        if (kind != "Llama4ImageProcessor" or not isinstance(size, dict) or not isinstance(size.get("height"), int)
+                or size.get("height") != size.get("width")
                 or cfg.get("do_rescale", True) is False or cfg.get("do_normalize", True) is False
                 or cfg.get("do_resize", True) is False or cfg.get("do_convert_rgb") is False):
             raise GatewayError(ErrorCode.INTERNAL_ERROR, f"bundle {bundle.name!r}: unsupported Llama 4 image "

@@ -96,6 +96,7 @@ class OnevisionImages(AnyresImages):
 
     @property
     def fingerprint(self) -> str:
+        """The model and every preprocessing setting that shapes this processor's output (cache and hash key)."""
         return f"llava_onevision:{super().fingerprint}:{self.base_tokens}:{self.max_patches}"
 
     def num_tokens(self, height: int, width: int) -> int:
@@ -147,10 +148,12 @@ class LlavaOnevisionFamily:
 
     @property
     def fingerprint(self) -> str:
+        """The model and every preprocessing setting that shapes this processor's output (cache and hash key)."""
         return self.image.fingerprint + (f"|{self.video.fingerprint}" if self.video is not None else "")
 
     @property
     def reserved_tokens(self) -> tuple[str, ...]:
+        """The media tokens user text may never produce (the prompt-integrity check)."""
         return self._reserved
 
     @classmethod

@@ -102,14 +102,17 @@ class OnevisionVideo:
 
     @property
     def anchor_token_id(self) -> int:
+        """The token the chat template leaves once per item (the processor protocol's ``anchor_token_id``)."""
         return self.token_id
 
     @property
     def placeholder_token_id(self) -> int:
+        """The token that receives the encoder output (vLLM ``im_token_id``)."""
         return self.token_id
 
     @property
     def fingerprint(self) -> str:
+        """The model and every preprocessing setting that shapes this processor's output (cache and hash key)."""
         return (f"llava_onevision_video:{self.model_type}:{self.backend.value}:{self.sampling.value}:{self.params!r}:"
                 f"{self.token_id}:{self.frame_tokens}")
 
@@ -145,6 +148,7 @@ class OnevisionVideo:
                          source_fps=video.meta.fps, max_pixels=h * w)
 
     def plan_tensors(self, plan: VideoPlan) -> dict[str, np.ndarray]:
+        """The clip's tensors besides the primary one (none: ``pixel_values_videos`` carries the clip)."""
         return {}
 
     def preprocess(self, video: DecodedVideo, plan: VideoPlan, raw: bool = False) -> np.ndarray:
