@@ -52,7 +52,7 @@ from mmgate.types import (
     VideoPlan,
 )
 
-__all__ = ["Family", "FamilyClass", "ImageOnlyFamily", "ImageProcessor", "MediaProcessor", "RowSink", "RowWriter", "VideoProcessor",
+__all__ = ["Family", "FamilyClass", "ImageOnlyFamily", "ImageProcessor", "ImageVideoFamily", "MediaProcessor", "RowSink", "RowWriter", "VideoProcessor",
            "assemble", "combine", "deferrable", "primary_spec"]
 
 
@@ -208,6 +208,7 @@ class Family(Protocol):
 
 
 P = TypeVar("P", bound=ImageProcessor)
+V = TypeVar("V", bound=VideoProcessor)
 
 
 class ImageOnlyFamily(Generic[P]):
@@ -241,6 +242,47 @@ class ImageOnlyFamily(Generic[P]):
     @property
     def video(self) -> None:
         return None
+
+
+class ImageVideoFamily(Generic[P, V]):
+    """The part every family with images and an optional clip processor shares: both processors, the
+    per-request item limits (no video entry when ``video`` is None, e.g. PyAV missing) and the token strings
+    caller text may not hold.  A subclass sets ``model_types`` (and the family properties where they differ)
+    and writes ``from_bundle`` (LLaVA-OneVision, InternVL3)."""
+
+    model_types: tuple[str, ...] = ()
+    limits: Mapping[Modality, int] = {}
+    mrope = False  # 1-D positions, one per token
+    vllm_video_ids = False  # the clip's ids are tokens of the model's own vocabulary
+    text_updates: frozenset[Modality] = frozenset()  # token-level images and clips
+
+    def __init__(self, images: P, video: V | None, image_limit: int, video_limit: int,
+                 reserved: tuple[str, ...]) -> None:
+        self._images = images
+        self._video = video
+        self.limits = {Modality.IMAGE: image_limit, **({Modality.VIDEO: video_limit} if video is not None else {})}
+        self._reserved = reserved
+
+    @property
+    def fingerprint(self) -> str:
+        """Both processors' fingerprints (the image one alone when there is no clip processor)."""
+        video = f"|{self._video.fingerprint}" if self._video is not None else ""
+        return self._images.fingerprint + video
+
+    @property
+    def reserved_tokens(self) -> tuple[str, ...]:
+        """The media tokens user text may never produce (the prompt-integrity check)."""
+        return self._reserved
+
+    @property
+    def image(self) -> P:
+        """The image processor."""
+        return self._images
+
+    @property
+    def video(self) -> V | None:
+        """The clip processor (None: no video here, e.g. PyAV missing)."""
+        return self._video
 
 
 class FamilyClass(Protocol):

@@ -46,6 +46,7 @@ from mmgate.errors import ErrorCode, GatewayError
 from mmgate.models import geometry
 from mmgate.models.backend import FrameSampling, ImageBackend
 from mmgate.models.bundle import ModelBundle
+from mmgate.models.family import ImageVideoFamily
 from mmgate.models.image_rows import RowNormalizer
 from mmgate.models.internvl_video import InternVLVideo
 from mmgate.models.llava import check_no_hints
@@ -305,43 +306,16 @@ def read_tokens(bundle: ModelBundle, tokenizer: BundleTokenizer) -> tuple[Intern
     return tokens, texts
 
 
-class InternVLFamily:
+class InternVLFamily(ImageVideoFamily[InternVLImages, InternVLVideo]):
     """InternVL3 (``internvl``): images, and video where the clip processor loads
     (:mod:`mmgate.models.internvl_video`)."""
 
     model_types = ("internvl",)
     limits: Mapping[Modality, int] = {Modality.IMAGE: 16, Modality.VIDEO: 1}
-    mrope = False  # 1-D positions (a Qwen2 / Qwen2.5 text model without M-RoPE)
     #: the clip's context ids are vLLM's ``<video>`` (151674, past the embedding table), as vLLM's
     #: ``interns1.py`` rewrites them (:mod:`mmgate.models.internvl_video`): only a vLLM worker embeds them
     vllm_video_ids = True
     text_updates = frozenset({Modality.VIDEO})  # the clip's Frame{i}: text (images: token-level)
-
-    def __init__(self, images: InternVLImages, video: InternVLVideo | None, reserved: tuple[str, ...]) -> None:
-        self._images = images
-        self._video = video
-        self.limits = {Modality.IMAGE: 16, **({Modality.VIDEO: 1} if video is not None else {})}
-        self._reserved = reserved
-
-    @property
-    def fingerprint(self) -> str:
-        """The model and every preprocessing setting that shapes this processor's output (cache and hash key)."""
-        return self._images.fingerprint
-
-    @property
-    def reserved_tokens(self) -> tuple[str, ...]:
-        """The media tokens user text may never produce (the prompt-integrity check)."""
-        return self._reserved
-
-    @property
-    def image(self) -> InternVLImages:
-        """The image processor."""
-        return self._images
-
-    @property
-    def video(self) -> InternVLVideo | None:
-        """The clip processor (None: PyAV missing, or no video config in the bundle)."""
-        return self._video
 
     @classmethod
     def from_bundle(cls, bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageBackend,
@@ -360,7 +334,7 @@ class InternVLFamily:
             video = load_video(bundle, (texts["start_image_token"], texts["video_token"], texts["end_image_token"]),
                                tokens.video, images.params.image_seq_length,
                                video_backend or geometry.resolve_backend(ImageBackend.AUTO), video_sampling)
-        return cls(images, video, tuple(texts.values()))
+        return cls(images, video, 16, 1, tuple(texts.values()))
 
 
 FAMILY = InternVLFamily

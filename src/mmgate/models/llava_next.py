@@ -132,7 +132,7 @@ class AnyresImages:
 
     modality = Modality.IMAGE
     device_normalizable = True  # a worker may normalize the raw uint8 pixels itself (float32, as the reference)
-    specs = (TensorSpec("pixel_values", "float32", TensorLayout.BATCHED, primary=True),
+    specs: tuple[TensorSpec, ...] = (TensorSpec("pixel_values", "float32", TensorLayout.BATCHED, primary=True),
              TensorSpec("image_sizes", "int64", TensorLayout.BATCHED))
 
     def __init__(self, model_type: str, params: ClipParams, tile: int, pinpoints: tuple[tuple[int, int], ...],

@@ -48,6 +48,7 @@ from mmgate.errors import ErrorCode, GatewayError
 from mmgate.models import geometry
 from mmgate.models.backend import FrameSampling, ImageBackend
 from mmgate.models.bundle import ModelBundle
+from mmgate.models.family import ImageVideoFamily
 from mmgate.models.llava import DEFAULT_IMAGE_LIMIT, ClipParams, ImageTokens, clip_params, image_limit
 from mmgate.models.llava_next import AnyresImages, select_best_resolution, unpadded_features
 from mmgate.models.llava_onevision_video import OnevisionVideo, onevision_tokens, onevision_video_from_bundle
@@ -123,7 +124,7 @@ def max_patches_of(aspect: str, bundle_name: str) -> int:
     return int(digits)
 
 
-class LlavaOnevisionFamily:
+class LlavaOnevisionFamily(ImageVideoFamily[OnevisionImages, OnevisionVideo]):
     """LLaVA-OneVision (``LlavaOnevisionForConditionalGeneration``, SigLIP + Qwen2): images and videos.
 
     ``video`` is None (and ``limits`` has no video entry) when PyAV is missing.  One video per
@@ -135,26 +136,6 @@ class LlavaOnevisionFamily:
 
     model_types = ("llava_onevision",)
     limits: Mapping[Modality, int] = {Modality.IMAGE: DEFAULT_IMAGE_LIMIT, Modality.VIDEO: 1}
-    mrope = False  # 1-D positions, one per token
-    vllm_video_ids = False  # the clip's ids are the model's own <video> token
-    text_updates: frozenset[Modality] = frozenset()  # token-level images and clips
-
-    def __init__(self, image: OnevisionImages, video: OnevisionVideo | None, image_limit: int,
-                 reserved: tuple[str, ...]) -> None:
-        self.image = image
-        self.video = video
-        self.limits = {Modality.IMAGE: image_limit, **({Modality.VIDEO: 1} if video is not None else {})}
-        self._reserved = reserved
-
-    @property
-    def fingerprint(self) -> str:
-        """The model and every preprocessing setting that shapes this processor's output (cache and hash key)."""
-        return self.image.fingerprint + (f"|{self.video.fingerprint}" if self.video is not None else "")
-
-    @property
-    def reserved_tokens(self) -> tuple[str, ...]:
-        """The media tokens user text may never produce (the prompt-integrity check)."""
-        return self._reserved
 
     @classmethod
     def from_bundle(cls, bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageBackend,
@@ -199,7 +180,7 @@ class LlavaOnevisionFamily:
                                  base, max_patches_of(aspect, bundle.name))
         video = onevision_video_from_bundle(bundle, tokenizer, base, video_backend, video_sampling)
         reserved = (token, video.token if video is not None else str(pc.get("video_token") or "<video>"))
-        return cls(images, video, image_limit(bundle, base), reserved)
+        return cls(images, video, image_limit(bundle, base), 1, reserved)
 
 
 FAMILY = LlavaOnevisionFamily

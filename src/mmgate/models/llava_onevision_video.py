@@ -84,7 +84,7 @@ class OnevisionVideo:
 
     modality = Modality.VIDEO
     device_normalizable = True  # a worker may normalize the raw uint8 pixels itself (float32, as the reference)
-    specs = (TensorSpec("pixel_values", "float32", TensorLayout.BATCHED, primary=True),)  # -> pixel_values_videos
+    specs: tuple[TensorSpec, ...] = (TensorSpec("pixel_values", "float32", TensorLayout.BATCHED, primary=True),)  # -> pixel_values_videos
 
     def __init__(self, model_type: str, params: ClipParams, token: str, token_id: int, frame_tokens: int,
                  backend: ImageBackend, sampling: FrameSampling) -> None:
