@@ -27,7 +27,7 @@ from mmgate.config.settings import FetchSettings, MmProcessing, Settings
 from mmgate.observe.metrics import REGISTRY
 from tests.conftest import bundle_dir
 from tests.support.servers import MediaOrigin, gateway_in_thread, media_origin
-from tests.video.video_support import ClipSpec, make_clip
+from tests.video.video_support import ClipSpec, load, make_clip, processor
 
 MODEL = "OpenGVLab/InternVL3-1B-hf"
 CONTEXT_ID = 151667  # <IMG_CONTEXT>
@@ -74,6 +74,16 @@ def chat(part: dict) -> dict:
             "max_tokens": 2, "temperature": 0, "ignore_eos": True}
 
 
+def reference(content: list[dict], **media: list) -> tuple[list[int], np.ndarray]:
+    """transformers' ids and ``pixel_values`` for one user turn of ``content`` parts (``InternVLProcessor``, the
+    bundle's template)."""
+    proc = processor(MODEL)
+    prompt = proc.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                      tokenize=False)
+    out = proc(text=[prompt], return_tensors="pt", **media)  # "np" fails in 5.24 for video
+    return [int(t) for t in out["input_ids"][0]], out["pixel_values"].numpy()
+
+
 def post(base: str, body: dict) -> httpx.Response:
     return httpx.post(base + "/v1/chat/completions", json=body, timeout=300)
 
@@ -81,8 +91,8 @@ def post(base: str, body: dict) -> httpx.Response:
 def test_internvl_clip_in_worker_mode_is_processed_by_the_gateway(
         engine: tuple[Child, Path], origin: MediaOrigin, tmp_path: Path) -> None:
     child, records = engine
-    clip = make_clip(ClipSpec("ivl-wm", 4, 8, 64, 48), tmp_path).read_bytes()
-    url = origin.add("/ivl-wm-clip.mp4", clip, "video/mp4")
+    path = make_clip(ClipSpec("ivl-wm", 4, 8, 64, 48), tmp_path)
+    url = origin.add("/ivl-wm-clip.mp4", path.read_bytes(), "video/mp4")
     labels = {"model": MODEL, "mode": "router", "reason": "plan_not_forwardable"}
     answers = {}
     for mode in (MmProcessing.WORKER, MmProcessing.AUTO, MmProcessing.ROUTER):
@@ -95,8 +105,11 @@ def test_internvl_clip_in_worker_mode_is_processed_by_the_gateway(
         # decision is router / plan_not_forwardable; router mode is decided by its setting
         want = 0.0 if mode is MmProcessing.ROUTER else 1.0
         assert (REGISTRY.get_sample_value("smg_mm_processing_total", labels) or 0.0) - before == want, mode
+    # the reference: InternVLProcessor on the clip's 4 frames (vLLM keeps every frame of a clip of <= 32)
+    frames, _ = load(path)
+    want, _ = reference([{"type": "video"}, {"type": "text", "text": "What is it?"}], videos=[frames])
     usage = {m: a.json()["usage"]["prompt_tokens"] for m, a in answers.items()}
-    assert len(set(usage.values())) == 1, usage
+    assert set(usage.values()) == {len(want)}, (usage, len(want))
     texts = {m: a.json()["choices"][0]["message"]["content"] for m, a in answers.items()}
     assert len(set(texts.values())) == 1, texts
 
@@ -117,7 +130,10 @@ def test_internvl_image_in_worker_mode_reaches_the_model_as_in_router_mode(
     for key in router.files:
         assert router[key].dtype == worker[key].dtype and np.array_equal(router[key], worker[key]), key
     ids = router["input_ids"][0].tolist()
-    assert ids.count(CONTEXT_ID) == 256 * router["pixel_values"].shape[0]
+    # the reference: InternVLProcessor's ids and pixel values for the same image and turn
+    image = Image.open(io.BytesIO(png()))
+    want_ids, want_pixels = reference([{"type": "image"}, {"type": "text", "text": "What is it?"}], images=[image])
+    assert ids == want_ids and np.array_equal(worker["pixel_values"], want_pixels)
     a, b = answers["router"].json(), answers["worker"].json()
     assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"] == len(ids)
     assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
