@@ -47,6 +47,12 @@ class ErrorCode(StrEnum):
     MEDIA_TOO_LARGE = "media_too_large"
     MEDIA_REF_TOO_LARGE = "media_ref_too_large"  # an inline data: URL forwarded to a worker exceeds the byte cap
     IMAGE_ASPECT_RATIO_INVALID = "image_aspect_ratio_invalid"
+    # audio intake (mmgate.media.audio raises them; docs/media-intake.md "Audio")
+    AUDIO_DECODE_FAILED = "audio_decode_failed"  # bytes PyAV cannot open or decode (corrupt, unknown container)
+    AUDIO_NO_STREAM = "audio_no_stream"  # a container without an audio stream (a video-only file, an image)
+    AUDIO_EMPTY = "audio_empty"  # an audio stream that decodes to zero samples
+    AUDIO_TOO_LONG = "audio_too_long"  # a clip longer than --audio-max-duration (header, else decoded samples)
+    AUDIO_DECODE_TIMEOUT = "audio_decode_timeout"  # one clip's decode ran past --audio-decode-timeout
     MEDIA_FETCH_FAILED = "media_fetch_failed"
     MEDIA_FETCH_TIMEOUT = "media_fetch_timeout"
     MEDIA_FETCH_UNAVAILABLE = "media_fetch_unavailable"
@@ -107,6 +113,11 @@ ERROR_TABLE: dict[ErrorCode, ErrorSpec] = {
     ErrorCode.MEDIA_TOO_LARGE: ErrorSpec(413, False, _INVALID),
     ErrorCode.MEDIA_REF_TOO_LARGE: ErrorSpec(400, False, _INVALID),
     ErrorCode.IMAGE_ASPECT_RATIO_INVALID: ErrorSpec(400, False, _INVALID),
+    ErrorCode.AUDIO_DECODE_FAILED: ErrorSpec(400, False, _INVALID),
+    ErrorCode.AUDIO_NO_STREAM: ErrorSpec(400, False, _INVALID),
+    ErrorCode.AUDIO_EMPTY: ErrorSpec(400, False, _INVALID),
+    ErrorCode.AUDIO_TOO_LONG: ErrorSpec(413, False, _INVALID),  # as video's decoded-pixel allowance (413)
+    ErrorCode.AUDIO_DECODE_TIMEOUT: ErrorSpec(413, False, _INVALID),  # as video's decode deadline (413)
     ErrorCode.MEDIA_FETCH_FAILED: ErrorSpec(400, False, _INVALID),
     ErrorCode.MEDIA_FETCH_TIMEOUT: ErrorSpec(503, True, _SERVER),
     ErrorCode.MEDIA_FETCH_UNAVAILABLE: ErrorSpec(503, True, _SERVER),

@@ -143,6 +143,32 @@ class DecodedVideo:
         return int(self.frames.shape[2])
 
 
+@dataclass(frozen=True, slots=True)
+class DecodedAudio:
+    """One decoded audio clip, as a family's feature extractor takes it.
+
+    ``samples``: float32 ``[n]`` mono (channels averaged), resampled to ``sampling_rate`` Hz (the rate the
+    family's :class:`~mmgate.models.family.AudioProcessor` asks for).  The source fields are diagnostics
+    (timing log, error messages); no preprocessing reads them.
+    """
+
+    samples: npt.NDArray[np.float32]
+    sampling_rate: int  # Hz of ``samples``
+    source_rate: int  # Hz of the decoded stream before resampling
+    source_channels: int  # channels of the decoded stream before the downmix
+    content_hash: str  # blake3 hex of the original (encoded) bytes
+    num_bytes: int  # size of the original encoded bytes
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.samples.shape[0])
+
+    @property
+    def duration_s(self) -> float:
+        """Seconds of audio (``num_samples / sampling_rate``)."""
+        return self.num_samples / self.sampling_rate if self.sampling_rate else 0.0
+
+
 class TensorLayout(StrEnum):
     """How one tensor of an :class:`EncoderBatch` splits into items (vLLM ``MultiModalFieldConfig``,
     ``vllm/multimodal/inputs.py``).

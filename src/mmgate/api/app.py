@@ -75,8 +75,7 @@ def model_card(runtime: ModelRuntime, created: float) -> dict[str, object]:
     """One ``/v1/models`` entry (OpenAI's model object, plus vLLM's ``root`` and the ``modalities`` the model
     takes: ``text`` and those its family processes)."""
     family = runtime.family
-    media = [] if family is None else [m.value for m, proc in ((Modality.IMAGE, family.image),
-                                                               (Modality.VIDEO, family.video)) if proc is not None]
+    media = [] if family is None else [m.value for m in Modality if m in family.processors]
     return {"id": runtime.served_name, "object": "model", "created": int(created), "owned_by": "mmgate",
             "root": runtime.bundle.name, "modalities": ["text", *media]}
 

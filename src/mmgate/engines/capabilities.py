@@ -31,6 +31,24 @@ tokenspeed    yes    yes    yes    no
   The worker narrows the row per model with ``GetModelInfo.supported_modalities``
   (``_static_supported_modalities``, l. 584-644).
 
+Audio, column by column: **tokenspeed** takes the gateway's features (``encoder_input`` per AUDIO item);
+**vllm** cannot carry preprocessed audio (above), so router-side audio to a vLLM worker is refused with
+``multimodal_not_supported`` (400, before any fetch), but audio reaches a vLLM worker as a *media reference*
+(``--mm-processing worker|auto``: the worker fetches and processes it, :data:`REFS_MATRIX`); **sglang**:
+refused.
+
+Media references (``vllm_engine.proto`` ``MediaRefs``, ``--mm-processing worker|auto``) are a second row
+per wire, :data:`REFS_MATRIX`: the worker's own processor decodes them, so what they carry is what that
+processor takes, not what the preprocessed-tensor fields can hold.
+
+============  =====  =====  =====
+refs          image  video  audio
+============  =====  =====  =====
+vllm          yes    yes    yes
+sglang        no     no     no
+tokenspeed    no     no     no
+============  =====  =====  =====
+
 A worker takes a modality when its wire's row has it and the model it serves does
 (``supports_vision`` for images and video; TokenSpeed's ``supported_modalities`` when reported).
 "Image embeds" is vLLM's ``image_embeds`` content part: no wire carries it, so it is always
@@ -107,6 +125,16 @@ MATRIX: dict[Wire, frozenset[MediaKind]] = {
     Wire.SGLANG: frozenset({MediaKind.IMAGE}),
     Wire.TOKENSPEED: frozenset({MediaKind.IMAGE, MediaKind.VIDEO, MediaKind.AUDIO}),
 }
+
+#: wire -> the kinds of media its engine takes as media references that it fetches and processes itself
+#: (``GenerateRequest.media_refs``: vLLM's wire only; ``VllmServicer`` hands each ref to the model's own
+#: multimodal processor, audio included: module docstring)
+REFS_MATRIX: dict[Wire, frozenset[MediaKind]] = {
+    Wire.VLLM: frozenset({MediaKind.IMAGE, MediaKind.VIDEO, MediaKind.AUDIO}),
+    Wire.SGLANG: frozenset(),
+    Wire.TOKENSPEED: frozenset(),
+}
+
 
 class Positions(StrEnum):
     """How a model positions its media tokens: the matrix's second axis (asked of the family)."""
@@ -209,6 +237,16 @@ def takes(caps: Capabilities, kind: MediaKind) -> bool:
     """Whether a worker with ``caps`` takes media of ``kind``."""
     modality = KIND_MODALITY.get(kind)
     return modality is not None and modality in caps.modalities
+
+
+def takes_refs(caps: Capabilities, modalities: Iterable[Modality]) -> bool:
+    """Whether a worker with ``caps`` takes every one of ``modalities`` as media references
+    (:data:`REFS_MATRIX`).  A modality its wire also carries as tensors (images, video) must be one its model
+    takes (``caps.modalities``: ``supports_vision``); one carried only as references (audio to vLLM) is the
+    worker processor's to take, the gateway's family having taken it already."""
+    row = frozenset(KIND_MODALITY[k] for k in REFS_MATRIX[caps.wire] if k in KIND_MODALITY)
+    tensors = wire_modalities(caps.wire)
+    return all(m in row and (m in caps.modalities or m not in tensors) for m in modalities)
 
 
 def takes_all(caps: Capabilities, modalities: Iterable[Modality]) -> bool:

@@ -1,9 +1,11 @@
 """The family seam: what a model family provides, and the generic assembly of its tensors.
 
-A family (one module per model line in ``mmgate/models/``) is a small object per modality, a
-*media processor*:
+A family (one module per model line in ``mmgate/models/``) maps each modality it takes to one
+*media processor* (:attr:`Family.processors`, ``Mapping[Modality, MediaProcessor]``): an
+:class:`ImageProcessor`, a :class:`VideoProcessor` or an :class:`AudioProcessor`.  Each one can
 
-* **plan** an item from its size (images) or its header and decoded frames (videos) alone:
+* **plan** an item from its size (images), its header and decoded frames (videos) or its decoded
+  samples (audio) alone:
   an :class:`~mmgate.types.ItemPlan` with the token count and the shape of the item's share
   of every tensor (:class:`~mmgate.types.TensorSpec` says each tensor's dtype, layout and
   placement);
@@ -38,6 +40,7 @@ from mmgate.models.bundle import ModelBundle
 from mmgate.models.image_rows import RowSink  # noqa: E402  (re-exported for families)
 from mmgate.models.backend import FrameSampling, ImageBackend
 from mmgate.types import (
+    DecodedAudio,
     DecodedImage,
     DecodedVideo,
     EncoderBatch,
@@ -52,8 +55,9 @@ from mmgate.types import (
     VideoPlan,
 )
 
-__all__ = ["Family", "FamilyClass", "ImageOnlyFamily", "ImageProcessor", "ImageVideoFamily", "MediaProcessor", "RowSink", "RowWriter", "VideoProcessor",
-           "assemble", "combine", "deferrable", "primary_spec"]
+__all__ = ["AudioProcessor", "Family", "FamilyClass", "ImageOnlyFamily", "ImageProcessor", "ImageVideoFamily",
+           "MediaProcessor", "RowSink", "RowWriter", "VideoProcessor", "assemble", "combine", "deferrable",
+           "primary_spec", "processor", "processor_map"]
 
 
 class _Processor(Protocol):
@@ -162,18 +166,59 @@ class VideoProcessor(_Processor, Protocol):
         ...
 
 
-MediaProcessor = ImageProcessor | VideoProcessor
+@runtime_checkable
+class AudioProcessor(_Processor, Protocol):
+    """The audio side of a family: one decoded clip (mono float32 at :attr:`sampling_rate`) -> features.
+
+    The audio source (:mod:`mmgate.media.sources`) decodes, downmixes and resamples each clip to
+    :attr:`sampling_rate` before :meth:`plan` sees it; the plan's ``detail`` carries the family's
+    specifics (valid feature frames, the encoder's output length), ``shapes`` every tensor's share.
+    """
+
+    #: the rate (Hz) the feature extractor expects (``WhisperFeatureExtractor.sampling_rate``: 16000)
+    sampling_rate: int
+
+    def plan_tensors(self, plan: ItemPlan) -> dict[str, np.ndarray]:
+        """The clip's share of every tensor but the primary, from its plan alone (feature masks, lengths)."""
+        ...
+
+    def plan(self, audio: DecodedAudio, hints: ItemHints) -> ItemPlan:
+        """Plan one decoded clip: token count (the placeholder run) and every tensor's share.
+
+        Raises:
+            GatewayError(INVALID_REQUEST | AUDIO_TOO_LONG): a clip the reference processor refuses.
+        """
+        ...
+
+    def preprocess(self, audio: DecodedAudio, plan: ItemPlan, raw: bool = False) -> np.ndarray:
+        """The clip's share of the primary tensor, shape ``plan.primary_shape`` (e.g. the valid frames of
+        ``input_features``, never a clip padded to the extractor's window); ``raw`` is never set for audio
+        (``device_normalizable`` is False)."""
+        ...
+
+    def expand(self, plan: ItemPlan) -> Replacement:
+        """The prompt update replacing this clip's anchor (audio start, the pad run, audio end)."""
+        ...
+
+
+MediaProcessor = ImageProcessor | VideoProcessor | AudioProcessor
 
 
 class Family(Protocol):
-    """What a model family provides: one processor per modality it takes."""
+    """What a model family provides: one processor per modality it takes (:attr:`processors`).
+
+    Generic code reaches a modality's processor only through :attr:`processors` (or :func:`processor`);
+    the ``image`` / ``video`` properties of the base classes below are conveniences for family modules and
+    tests.  ``limits`` has an entry for exactly the modalities of :attr:`processors`.
+    """
 
     model_types: tuple[str, ...]
     #: items per request, per modality it takes
     limits: Mapping[Modality, int]
     #: whether its language model positions media with M-RoPE (3-D positions from each item's grid), so an
     #: engine must see the grids and the media tokens together to position them (Qwen2-VL, Qwen2.5-VL,
-    #: Qwen3-VL); False: plain 1-D positions, one per token
+    #: Qwen3-VL): the decode leg of a prefill/decode pair needs the grid tensors; False: plain 1-D positions,
+    #: one per token
     mrope: bool
     #: whether its clips' placeholder ids are vLLM's rewrite of them (a token past the checkpoint's embedding
     #: table that only vLLM's model runner reads as an embedding position, never looks up: InternVL3's
@@ -186,6 +231,12 @@ class Family(Protocol):
     text_updates: frozenset[Modality]
 
     @property
+    def processors(self) -> Mapping[Modality, MediaProcessor]:
+        """The media processor of each modality this family takes here (a modality absent: not taken, e.g.
+        video without PyAV)."""
+        ...
+
+    @property
     def fingerprint(self) -> str:
         """Identifies the model and every preprocessing setting (cache and hash key)."""
         ...
@@ -196,19 +247,14 @@ class Family(Protocol):
         text may never contain them (:mod:`mmgate.chat.integrity`)."""
         ...
 
-    @property
-    def image(self) -> ImageProcessor | None:
-        """The image processor (None: the family takes no images here)."""
-        ...
-
-    @property
-    def video(self) -> VideoProcessor | None:
-        """The video processor (None: no video here, e.g. PyAV missing)."""
-        ...
-
 
 P = TypeVar("P", bound=ImageProcessor)
 V = TypeVar("V", bound=VideoProcessor)
+
+
+def processor_map(*procs: MediaProcessor | None) -> dict[Modality, MediaProcessor]:
+    """``{proc.modality: proc}`` of the given processors, None skipped (a family's :attr:`Family.processors`)."""
+    return {p.modality: p for p in procs if p is not None}
 
 
 class ImageOnlyFamily(Generic[P]):
@@ -226,6 +272,12 @@ class ImageOnlyFamily(Generic[P]):
         self._images = images
         self.limits = {Modality.IMAGE: limit}
         self._reserved = reserved
+        self._processors: Mapping[Modality, MediaProcessor] = processor_map(images)
+
+    @property
+    def processors(self) -> Mapping[Modality, MediaProcessor]:
+        """``{IMAGE: the image processor}``."""
+        return self._processors
 
     @property
     def fingerprint(self) -> str:
@@ -262,6 +314,12 @@ class ImageVideoFamily(Generic[P, V]):
         self._video = video
         self.limits = {Modality.IMAGE: image_limit, **({Modality.VIDEO: video_limit} if video is not None else {})}
         self._reserved = reserved
+        self._processors: Mapping[Modality, MediaProcessor] = processor_map(images, video)
+
+    @property
+    def processors(self) -> Mapping[Modality, MediaProcessor]:
+        """The image processor, and the clip processor when there is one."""
+        return self._processors
 
     @property
     def fingerprint(self) -> str:
@@ -295,14 +353,13 @@ class FamilyClass(Protocol):
                     video_sampling: FrameSampling = FrameSampling.VLLM) -> Family: ...
 
 
-def processor(family: Family, modality: Modality) -> ImageProcessor | VideoProcessor:
-    """``family``'s processor for ``modality``.
+def processor(family: Family, modality: Modality) -> MediaProcessor:
+    """``family``'s processor for ``modality`` (:attr:`Family.processors`).
 
     Raises:
         GatewayError(MULTIMODAL_NOT_SUPPORTED): the family does not take ``modality`` here.
     """
-    found: ImageProcessor | VideoProcessor | None = (
-        family.image if modality is Modality.IMAGE else family.video if modality is Modality.VIDEO else None)
+    found = family.processors.get(modality)
     if found is None:
         raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED,
                            f"{family.model_types[0]} does not take {modality.value} input here")
@@ -374,7 +431,7 @@ def item_rows(spec: TensorSpec, plan: ItemPlan) -> int:
     return plan.primary_shape[0] if spec.layout is TensorLayout.FLAT else 1
 
 
-def assemble(proc: ImageProcessor | VideoProcessor, plans: Sequence[ItemPlan] | Sequence[VideoPlan],
+def assemble(proc: MediaProcessor, plans: Sequence[ItemPlan] | Sequence[VideoPlan],
              primaries: Sequence[np.ndarray] | np.ndarray | PendingTensor | None) -> EncoderBatch:
     """The batch of one modality, in prompt order (no placeholders or hashes yet).
 

@@ -38,6 +38,7 @@ from mmgate.models.image_rows import RowNormalizer, RowSink, image_rows, write_r
 from mmgate.models.qwen_vl_frames import long_side_bound, video_config, video_params
 from mmgate.models.qwen_vl_kwargs import TAKES_OPTIONS, check_options, sized
 from mmgate.models.qwen_vl_video import QwenVLVideo
+from mmgate.models.family import MediaProcessor, processor_map
 from mmgate.models.backend import FrameSampling, ImageBackend
 from mmgate.types import (
     DecodedImage,
@@ -266,6 +267,8 @@ class QwenVLFamily:
         self.model_type = model_type
         self.image = image
         self.video = video
+        #: the seam generic code reads (:attr:`mmgate.models.family.Family.processors`)
+        self.processors: Mapping[Modality, MediaProcessor] = processor_map(image, video)
         if video is None:
             self.limits = {Modality.IMAGE: QwenVLFamily.limits[Modality.IMAGE]}
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from mmgate.request.protocol import (
     AudioPart,
+    AudioURLPart,
     ChatCompletionRequest,
     ImageEmbedsPart,
     ImagePart,
@@ -33,6 +34,7 @@ from mmgate.config.settings import Settings
 from mmgate.types import ItemHints, MediaRef, Modality, PlaceholderRange, Replacement
 
 if TYPE_CHECKING:
+    from mmgate.models.family import Family
     from mmgate.pipeline.runtime import ModelRuntime
 
 
@@ -91,9 +93,13 @@ def plan_request(req: ChatCompletionRequest, runtime: ModelRuntime, settings: Se
                 elif isinstance(part, ImageEmbedsPart):
                     raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED,
                                        "image_embeds parts are not accepted: no engine wire carries them", param)
+                elif isinstance(part, AudioURLPart):
+                    modality, url = Modality.AUDIO, part.audio_url.url
+                    hints = ItemHints(options=options)
                 else:
                     assert isinstance(part, AudioPart)
-                    modality, url = Modality.AUDIO, ""
+                    modality, url = Modality.AUDIO, part.input_audio.data_url()
+                    hints = ItemHints(options=options)
                 media.append(MediaRef(modality=modality, url=url, part_index=len(media), param=param, hints=hints))
                 parts.append({"type": modality.value})
             msg["content"] = parts
@@ -168,7 +174,7 @@ def _check_media(media: Sequence[MediaRef], runtime: ModelRuntime, settings: Set
     for ref in media:
         counts[ref.modality] = counts.get(ref.modality, 0) + 1
     for modality, count in counts.items():
-        if family is None or modality not in family.limits:
+        if family is None or modality not in family.processors or modality not in family.limits:
             raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED,
                                f"model {runtime.served_name!r} does not accept {modality.value} input",
                                next(r.param for r in media if r.modality is modality))
@@ -180,6 +186,32 @@ def _check_media(media: Sequence[MediaRef], runtime: ModelRuntime, settings: Set
         check_scheme(ref.url, ref.param)
         if ref.hints.key and family is not None:
             processor(family, ref.modality).check_hints(ref.hints, ref.param)
+
+
+def check_anchors(ids: Sequence[int], refs: Sequence[MediaRef], family: Family | None) -> None:
+    """One anchor token per item, for every modality the family takes (none of a modality: no anchor of it).
+
+    The one anchor check, before anything is fetched: the pipeline (router mode) and worker-side forwarding
+    (:mod:`mmgate.routing.mm_processing`) both call it.
+
+    Raises:
+        GatewayError(MULTIMODAL_NOT_SUPPORTED): items for a text-only model, or of a modality the family does
+            not take here.
+        GatewayError(MEDIA_COUNT_MISMATCH): a modality whose anchors in ``ids`` and items differ in number.
+    """
+    if family is None:
+        if refs:
+            raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED, "this model takes no media input", refs[0].param)
+        return
+    for ref in refs:
+        processor(family, ref.modality)  # refuses a modality the family does not take
+    for modality, proc in family.processors.items():
+        items = sum(1 for r in refs if r.modality is modality)
+        found = sum(1 for t in ids if t == proc.anchor_token_id)
+        if found != items:
+            raise GatewayError(ErrorCode.MEDIA_COUNT_MISMATCH,
+                               f"the prompt has {found} {modality.value} anchors for {items} {modality.value}s",
+                               "messages")
 
 
 def hinted(fingerprint: str, hints: ItemHints) -> str:

@@ -3,7 +3,7 @@
 Stage: request (below api/; every endpoint's request becomes one).  In: the raw JSON body; out: a
 decoded, value-checked :class:`ChatCompletionRequest` (:func:`mmgate.request.parse.parse_chat_request`
 adds the constraint check).  Content parts are a tagged union on ``type``:
-``text``, ``image_url``, ``video_url``, ``input_audio``, ``image_embeds`` (parsed so that it is
+``text``, ``image_url``, ``video_url``, ``input_audio``, ``audio_url``, ``image_embeds`` (parsed so that it is
 refused as ``multimodal_not_supported``: no engine wire takes embeddings, docs/engines.md); anything
 else is a 400 ``invalid_request``.  An unknown top-level field is refused with 400
 ``invalid_request`` naming it in ``param`` (vLLM logs and drops such fields;
@@ -46,9 +46,30 @@ class VideoURL(msgspec.Struct, frozen=True):
     max_long_side_pixel: int | None = None  # per-item hint (docs/video.md, "Hints")
 
 
+#: ``input_audio.format`` values taken, and the media type of the ``data:`` URL each becomes (the decoder sniffs
+#: the bytes; the type only names the part in messages).  OpenAI documents ``wav`` and ``mp3``; vLLM's
+#: ``chat_utils`` passes any format through to its loader, so the containers PyAV decodes are taken too.
+AUDIO_FORMATS: dict[str, str] = {
+    "wav": "audio/wav", "mp3": "audio/mpeg", "flac": "audio/flac", "ogg": "audio/ogg", "opus": "audio/ogg",
+    "m4a": "audio/mp4", "aac": "audio/aac", "webm": "audio/webm",
+}
+
+
 class InputAudio(msgspec.Struct, frozen=True):
+    """``input_audio`` of a chat part (openai-python ``InputAudio``): base64 bytes and their container."""
+
     data: str
     format: str = "wav"
+
+    def data_url(self) -> str:
+        """The clip as a ``data:`` URL (one media reference shape for every audio part, forwardable to a worker)."""
+        return f"data:{AUDIO_FORMATS.get(self.format.lower(), 'audio/wav')};base64,{self.data}"
+
+
+class AudioURL(msgspec.Struct, frozen=True):
+    """``audio_url`` of a chat part (vLLM's ``ChatCompletionContentPartAudioParam``): http(s) or ``data:``."""
+
+    url: str
 
 
 class TextPart(msgspec.Struct, frozen=True, tag_field="type", tag="text"):
@@ -67,6 +88,10 @@ class AudioPart(msgspec.Struct, frozen=True, tag_field="type", tag="input_audio"
     input_audio: InputAudio
 
 
+class AudioURLPart(msgspec.Struct, frozen=True, tag_field="type", tag="audio_url"):
+    audio_url: AudioURL
+
+
 class ImageEmbedsPart(msgspec.Struct, frozen=True, tag_field="type", tag="image_embeds"):
     """vLLM's ``image_embeds`` part (``ChatCompletionContentPartImageEmbedsParam``): precomputed embeddings.
     Refused before planning (:mod:`mmgate.routing.capability`): no engine wire carries them."""
@@ -75,7 +100,7 @@ class ImageEmbedsPart(msgspec.Struct, frozen=True, tag_field="type", tag="image_
     uuid: str | None = None
 
 
-ContentPart = TextPart | ImagePart | VideoPart | AudioPart | ImageEmbedsPart
+ContentPart = TextPart | ImagePart | VideoPart | AudioPart | AudioURLPart | ImageEmbedsPart
 
 
 class FunctionCall(msgspec.Struct, frozen=True):
@@ -457,12 +482,18 @@ def _check_hints(req: ChatCompletionRequest) -> None:
 
     Raises:
         GatewayError(INVALID_REQUEST): ``fps`` outside ``VIDEO_FPS_HINT_RANGE``,
-            ``max_long_side_pixel`` not within 1 .. ``MAX_LONG_SIDE_HINT``.
+            ``max_long_side_pixel`` not within 1 .. ``MAX_LONG_SIDE_HINT``, an ``input_audio.format``
+            not in :data:`AUDIO_FORMATS`.
     """
     for mi, message in enumerate(req.messages):
         if not isinstance(message.content, list):
             continue
         for pi, part in enumerate(message.content):
+            if isinstance(part, AudioPart):
+                if part.input_audio.format.lower() not in AUDIO_FORMATS:
+                    raise GatewayError(ErrorCode.INVALID_REQUEST, "input_audio.format must be one of "
+                                       + ", ".join(AUDIO_FORMATS), f"messages[{mi}].content[{pi}].input_audio.format")
+                continue
             if isinstance(part, ImagePart):
                 fps, long_side, field = None, part.image_url.max_long_side_pixel, "image_url"
             elif isinstance(part, VideoPart):
@@ -547,7 +578,7 @@ def _validation_message(text: str) -> tuple[str, str | None]:
         param = f"{path}.{name}" if path else name
         return f"unknown field {param}: not a field of this API (refused, never ignored)", param
     if path.endswith(".type") and ".content[" in path:
-        what = "unknown content part type (expected text, image_url, video_url, input_audio or image_embeds)"
+        what = "unknown content part type (expected text, image_url, video_url, input_audio, audio_url or image_embeds)"
     elif not what.startswith(_SAFE_OPENINGS) or len(what) > 120:
         what = "invalid value"
     where = f" at {path}" if path else ""

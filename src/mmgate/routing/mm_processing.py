@@ -8,7 +8,7 @@ holds the table; the first row that applies wins:
 
 1. ``--mm-processing router``                         -> router, ``config``
 2. model not opted in (``--mm-processing-models``)     -> router, ``model_not_opted_in``
-3. a media part not forwardable (audio, or a hint),
+3. a media part not forwardable (a hint, a text-level update),
    or ``mm_processor_kwargs`` set                     -> router, ``plan_not_forwardable``
 4. ``--mm-processing worker``                         -> worker, ``config``
 5. auto, no registered worker advertises a processor  -> router, ``auto_none``
@@ -38,9 +38,10 @@ import msgspec
 from mmgate.observe import metrics
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.fetch import url_scheme
-from mmgate.models.family import Family, processor
-from mmgate.request.protocol import ChatCompletionRequest, ImagePart, TextPart, VideoPart
+from mmgate.models.family import Family
+from mmgate.request.protocol import AudioPart, AudioURLPart, ChatCompletionRequest, ImagePart, TextPart, VideoPart
 from mmgate.engines.base import Role
+from mmgate.pipeline.planning import check_anchors
 from mmgate.pipeline.routing_key import RoutingKey, expanded_key
 from mmgate.routing.policies.base import RouteRequest
 from mmgate.routing.workers import Worker, WorkerRegistry
@@ -51,7 +52,8 @@ from mmgate.types import MediaRef, Modality
 PROCESSOR_LABEL = "mm_processor"
 SCHEMES_LABEL = "mm_media_ref_schemes"
 #: fields of a media part that are not per-item processing hints (``detail`` is ignored by both paths)
-_NOT_HINTS = frozenset({"url", "detail"})
+#: (``input_audio.format`` names the container of its ``data``: the worker's decoder sniffs the bytes)
+_NOT_HINTS = frozenset({"url", "detail", "format"})
 
 
 class Mode(StrEnum):
@@ -104,12 +106,16 @@ def media_parts(req: ChatCompletionRequest) -> list[msgspec.Struct]:
             if not isinstance(part, TextPart)]
 
 
+#: content part type -> the modality of the media reference it is forwarded as (``input_audio`` as a ``data:`` URL)
+_FORWARDED: dict[type, Modality] = {ImagePart: Modality.IMAGE, VideoPart: Modality.VIDEO,
+                                    AudioPart: Modality.AUDIO, AudioURLPart: Modality.AUDIO}
+
+
 def forwardable(parts: Iterable[msgspec.Struct], text_updates: frozenset[Modality] = frozenset()) -> bool:
-    """Every media part is an image_url or video_url without hints (audio is never forwarded) whose modality's
+    """Every media part is an image_url, video_url, input_audio or audio_url without hints whose modality's
     prompt updates are made from ids alone (not in the family's ``text_updates``: a text-level update needs the
     prompt text, which media references do not carry)."""
-    return all(isinstance(p, (ImagePart, VideoPart)) and not struct_hints(p)
-               and (Modality.IMAGE if isinstance(p, ImagePart) else Modality.VIDEO) not in text_updates
+    return all(type(p) in _FORWARDED and not struct_hints(p) and _FORWARDED[type(p)] not in text_updates
                for p in parts)
 
 
@@ -159,23 +165,13 @@ def decide_request(req: ChatCompletionRequest, settings: Settings, runtime: Mode
 
 
 def check_anchor_counts(ids: Sequence[int], refs: Sequence[MediaRef], family: Family | None) -> None:
-    """One anchor token per item of each modality, before anything is forwarded.
+    """One anchor token per item of each modality, before anything is forwarded
+    (:func:`mmgate.pipeline.planning.check_anchors`, the one anchor check).
 
     Raises:
         GatewayError(MEDIA_COUNT_MISMATCH | MULTIMODAL_NOT_SUPPORTED)
     """
-    if family is None:
-        raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED, "this model takes no media input", refs[0].param)
-    for modality in (Modality.IMAGE, Modality.VIDEO):
-        if modality not in family.limits:
-            continue
-        anchor = processor(family, modality).anchor_token_id
-        items = sum(1 for r in refs if r.modality is modality)
-        found = sum(1 for t in ids if t == anchor)
-        if found != items:
-            raise GatewayError(ErrorCode.MEDIA_COUNT_MISMATCH,
-                               f"the prompt has {found} {modality.value} anchors for {items} {modality.value}s",
-                               "messages")
+    check_anchors(ids, refs, family)
 
 
 def check_id_level(refs: Sequence[MediaRef], family: Family | None) -> None:
@@ -204,10 +200,9 @@ def refs_key(ids: Sequence[int], refs: Sequence[MediaRef], family: Family | None
     if family is None or not refs:
         return RoutingKey.text(ids)
     runs = {}
-    for modality in (Modality.IMAGE, Modality.VIDEO):
-        if modality in family.limits:
-            runs[processor(family, modality).anchor_token_id] = [
-                (blake3.blake3(f"{r.url}|{r.hints}".encode()).hexdigest(), 1) for r in refs if r.modality is modality]
+    for modality, proc in family.processors.items():
+        runs[proc.anchor_token_id] = [
+            (blake3.blake3(f"{r.url}|{r.hints}".encode()).hexdigest(), 1) for r in refs if r.modality is modality]
     return expanded_key(ids, runs)
 
 
@@ -226,7 +221,7 @@ def select_processing_worker(registry: WorkerRegistry, refs: Sequence[MediaRef],
         GatewayError(UNSUPPORTED_MEDIA_URL_SCHEME): 400, a URL scheme no such worker fetches.
     """
     modalities = {r.modality for r in refs}
-    capable = [w for w in registry.workers if w.healthy and advertises_processor(w) and w.accepts(modalities)
+    capable = [w for w in registry.workers if w.healthy and advertises_processor(w) and w.accepts_refs(modalities)
                and w.adapter is not None and w.adapter.media_refs]
     if not capable:
         raise GatewayError(ErrorCode.NO_HEALTHY_WORKER, "no healthy worker of this model processes media references")

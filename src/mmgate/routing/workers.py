@@ -63,7 +63,15 @@ from typing import TYPE_CHECKING
 from mmgate.observe import metrics
 from mmgate.engines.adapter import WireAdapter, adapter_for
 from mmgate.engines.base import Capabilities, Probe, ProbeOutcome, Role
-from mmgate.engines.capabilities import KIND_MODALITY, MediaKind, MediaPositions, any_wire_takes, takes, takes_all
+from mmgate.engines.capabilities import (
+    KIND_MODALITY,
+    MediaKind,
+    MediaPositions,
+    any_wire_takes,
+    takes,
+    takes_all,
+    takes_refs,
+)
 from mmgate.engines.client import DEFAULT_KEEPALIVE, WorkerClient
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.config.settings import RoutingSettings
@@ -254,6 +262,12 @@ class Worker:
         probe), as the Rust gateway names a gRPC worker's model (``model_id`` from the server's info)."""
         labels = self.caps.labels if self.caps is not None else {}
         return labels.get("served_model_name", "") or labels.get("model_path", "")
+
+    def accepts_refs(self, modalities: Iterable[Modality]) -> bool:
+        """Whether this worker takes every one of ``modalities`` as media references it processes itself
+        (:data:`mmgate.engines.capabilities.REFS_MATRIX`)."""
+        wanted = set(modalities)
+        return not wanted or (self.caps is not None and takes_refs(self.caps, wanted))
 
     def accepts(self, modalities: Iterable[Modality]) -> bool:
         """Whether this worker takes every one of ``modalities`` (its wire x model, the capability matrix)."""

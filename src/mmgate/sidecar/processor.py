@@ -72,7 +72,8 @@ def processing_fingerprint(runtime: ModelRuntime, config: ProcessingConfig) -> t
     successful one produces.
     """
     bundle, family = runtime.bundle, runtime.family
-    video = family.video.fingerprint if family is not None and family.video is not None else ""
+    clips = family.processors.get(Modality.VIDEO) if family is not None else None
+    video = clips.fingerprint if clips is not None else ""
     files = {"config": bundle.config, "preprocessor_config": bundle.preprocessor_config,
              "video_preprocessor_config": bundle.video_preprocessor_config,
              "processor_config": bundle.processor_config}
