@@ -82,8 +82,22 @@ class VideoSettings:
     frame_sampling: FrameSampling = FrameSampling.VLLM  # frames kept where the bundle does not say (FrameSampling)
 
 
+DEFAULT_AUDIO_MAX_DURATION_S = 600.0  # ten minutes of audio per clip
+DEFAULT_AUDIO_DECODE_TIMEOUT_S = 30.0  # as video's
+
+
+@dataclass(frozen=True, slots=True)
+class AudioSettings:
+    """Limits of audio decoding (the audio source's decoder, ``mmgate.media.audio``; docs/media-intake.md,
+    "Audio").  The byte cap is :attr:`FetchSettings.audio_max_bytes` (``--audio-max-input-bytes``)."""
+
+    max_duration_s: float = DEFAULT_AUDIO_MAX_DURATION_S  # per clip: longer is refused (413 ``audio_too_long``)
+    decode_timeout_s: float = DEFAULT_AUDIO_DECODE_TIMEOUT_S  # per clip, wall clock (413 ``audio_decode_timeout``)
+
+
 GROUP_MEDIA = "media intake"
 GROUP_VIDEO = "video"
+GROUP_AUDIO = "audio"
 
 
 def add_media_options(parser: argparse.ArgumentParser) -> None:
@@ -193,6 +207,29 @@ def video_settings(ns: argparse.Namespace) -> VideoSettings:
     return VideoSettings(max_decoded_pixels=ns.video_max_decoded_pixels, decode_timeout_s=ns.video_decode_timeout,
                          apply_rotation=bool(ns.video_apply_rotation),
                          frame_sampling=FrameSampling(ns.video_frame_sampling))
+
+
+def add_audio_options(parser: argparse.ArgumentParser) -> None:
+    """The audio-decode option group, one definition for ``mmgate serve``, ``engine`` and ``sidecar``
+    (docs/media-intake.md, "Audio"); read back with :func:`audio_settings`.  Named as the video group's."""
+    g = parser.add_argument_group(GROUP_AUDIO)
+    add_option(g, "--audio-max-duration", type=float, default=DEFAULT_AUDIO_MAX_DURATION_S,
+               help="longest audio clip in seconds (from the header where it says, else from the decoded samples)")
+    add_option(g, "--audio-decode-timeout", type=float, default=DEFAULT_AUDIO_DECODE_TIMEOUT_S,
+               help="wall-clock limit of decoding (and resampling) one audio clip, seconds")
+
+
+def audio_settings(ns: argparse.Namespace) -> AudioSettings:
+    """The :class:`AudioSettings` of a namespace parsed with :func:`add_audio_options` and resolved.
+
+    Raises:
+        SystemExit: a duration cap or decode timeout that is not positive.
+    """
+    if ns.audio_max_duration <= 0:
+        raise SystemExit("--audio-max-duration must be positive")
+    if ns.audio_decode_timeout <= 0:
+        raise SystemExit("--audio-decode-timeout must be positive")
+    return AudioSettings(max_duration_s=ns.audio_max_duration, decode_timeout_s=ns.audio_decode_timeout)
 
 
 @dataclass(frozen=True, slots=True)
@@ -448,6 +485,7 @@ class Settings:
     chat_template_content_format: str = "auto"
     fetch: FetchSettings = field(default_factory=FetchSettings)
     video: VideoSettings = field(default_factory=VideoSettings)
+    audio: AudioSettings = field(default_factory=AudioSettings)  # audio decode limits
     transport: TransportSettings = field(default_factory=TransportSettings)
     http: HttpSettings = field(default_factory=HttpSettings)
     auth: AuthSettings = field(default_factory=AuthSettings)  # --api-key, --admin-api-key, --protect-ops
@@ -590,6 +628,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "template loops over content), string = as given (transformers), openai = always parts")
     add_media_options(p)
     add_video_options(p)
+    add_audio_options(p)
     g = p.add_argument_group("tensor transport")
     add_option(g, "--multimodal-tensor-transport", choices=[t.value for t in TensorTransport],
                default=TensorTransport.INLINE.value, env=(ENV_TENSOR_TRANSPORT, ENV_TENSOR_TRANSPORT_LEGACY),
@@ -813,6 +852,7 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         chat_template_content_format=ns.chat_template_content_format,
         fetch=fetch_settings(ns),
         video=video_settings(ns),
+        audio=audio_settings(ns),
         transport=_transport_settings(ns, environ),
         http=http,
         auth=auth_settings(ns),

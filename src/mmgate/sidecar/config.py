@@ -20,10 +20,13 @@ from dataclasses import dataclass, field
 
 from mmgate.config.options import add_option, resolve
 from mmgate.config.settings import (
+    AudioSettings,
     FetchSettings,
     VideoSettings,
     add_media_options,
+    add_audio_options,
     add_video_options,
+    audio_settings,
     fetch_settings,
     item_limits,
     video_settings,
@@ -40,6 +43,7 @@ class ProcessingConfig:
     item_limits: Mapping[str, int] = field(default_factory=dict)  # per-modality overrides of the family's limits
     threads: int = 2  # preprocessing threads
     video: VideoSettings = field(default_factory=VideoSettings)  # video decode limits, as mmgate serve's
+    audio: AudioSettings = field(default_factory=AudioSettings)  # audio decode limits, as mmgate serve's
 
 
 def add_processing_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +56,7 @@ def add_processing_arguments(parser: argparse.ArgumentParser) -> None:
     """
     add_media_options(parser)
     add_video_options(parser)
+    add_audio_options(parser)
     g = parser.add_argument_group("worker-side media processing")
     add_option(g, "--mm-preprocess-threads", type=int, default=2, minimum=1, help="media preprocessing threads")
 
@@ -68,4 +73,4 @@ def processing_config(ns: argparse.Namespace, parser: argparse.ArgumentParser,
     resolve(parser, ns, env)
     return ProcessingConfig(image_backend=ImageBackend(ns.image_backend), fetch=fetch_settings(ns),
                             item_limits=item_limits(ns, env), threads=ns.mm_preprocess_threads,
-                            video=video_settings(ns))
+                            video=video_settings(ns), audio=audio_settings(ns))

@@ -120,7 +120,8 @@ class MediaProcessor:
         self.fingerprint, self.description = processing_fingerprint(runtime, config)
         self.schemes: tuple[str, ...] = tuple(sorted(ALLOWED_SCHEMES))
         self._settings = Settings(model=str(runtime.bundle.path), image_backend=config.image_backend,
-                                  item_limits=dict(config.item_limits), fetch=config.fetch, video=config.video)
+                                  item_limits=dict(config.item_limits), fetch=config.fetch, video=config.video,
+                                  audio=config.audio)
         self._executor = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="mmgate-mm")
         self._pipeline: Pipeline | None = None
 
