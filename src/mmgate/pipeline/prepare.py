@@ -22,29 +22,23 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
-import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from functools import partial
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from mmgate.observe import metrics, timing_log
+from mmgate.observe import metrics
 from mmgate.pipeline.cache import PixelCache
 from mmgate.chat.template import render_chat
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.fetch import MediaFetcher
 from mmgate.media.hashing import item_hash
-from mmgate.media.image import decode_image
-from mmgate.media.video import PixelAllowance, decode_video, planned_clip, upright_turns
 from mmgate.models.bundle import ModelBundle
 from mmgate.models.family import (
-    ImageProcessor,
+    MediaProcessor,
     RowWriter,
-    VideoProcessor,
     assemble,
     deferrable,
     item_rows,
@@ -54,6 +48,7 @@ from mmgate.models.family import (
 )
 from mmgate.pipeline.planning import (
     RequestPlan,
+    check_anchors,
     hinted,
     locate_text_items,
     plan_request,
@@ -61,6 +56,7 @@ from mmgate.pipeline.planning import (
     splice_text,
 )
 from mmgate.pipeline.routing_key import RoutingKey, expanded_key
+from mmgate.pipeline.sources import SOURCES, SourceContext
 from mmgate.request.protocol import ChatCompletionRequest, TextPart
 from mmgate.request.structured import request_constraint, template_tools
 from mmgate.pipeline.runtime import ModelRuntime
@@ -73,7 +69,6 @@ from mmgate.transport.limits import (
 from mmgate.transport.placement import BufferTarget
 from mmgate.types import (
     DecodedImage,
-    DecodedVideo,
     EncoderBatch,
     ItemPlan,
     MediaRef,
@@ -86,8 +81,6 @@ from mmgate.types import (
     SamplingParams,
     TensorLayout,
     TensorSpec,
-    VideoMeta,
-    VideoPlan,
 )
 
 
@@ -318,70 +311,52 @@ class Pipeline:
         plans: tuple[ItemPlan, ...] = ()
         if plan.media:
             assert family is not None  # _check_media refused media for text-only models
-            images = [r for r in plan.media if r.modality is Modality.IMAGE]
-            videos = [r for r in plan.media if r.modality is Modality.VIDEO]
-            image_proc = processor(family, Modality.IMAGE) if images else family.image
-            video_proc = processor(family, Modality.VIDEO) if videos else family.video
-            procs: dict[Modality, ImageProcessor | VideoProcessor] = {
-                m: p for m, p in ((Modality.IMAGE, image_proc), (Modality.VIDEO, video_proc)) if p is not None}
-            for modality, proc in procs.items():
-                count = len(images) if modality is Modality.IMAGE else len(videos)
-                found = sum(1 for t in ids if t == proc.anchor_token_id)
-                if found != count:
-                    raise GatewayError(ErrorCode.MEDIA_COUNT_MISMATCH, f"the prompt has {found} {modality.value} "
-                                       f"anchors for {count} {modality.value}s", "messages")
+            groups: dict[Modality, list[MediaRef]] = {}
+            for ref in plan.media:  # modalities in the order they first appear in the prompt
+                groups.setdefault(ref.modality, []).append(ref)
+            procs = {m: processor(family, m) for m in groups}
+            check_anchors(ids, plan.media, family)
+            ctx = SourceContext(self.fetcher, self.executor, self.settings)
             with metrics.stage("fetch_decode", timings, self.runtime.served_name):
                 limit = encoder_bytes_limit(self.settings.transport) if choose_worker is not None else None
-                decoded, clips = await _all_or_none(self._fetch_decode(images),
-                                                    self._fetch_decode_videos(video_proc, videos, limit))
+                loaded = await _all_or_none(*(SOURCES[m].load(ctx, procs[m], refs, limit)
+                                              for m, refs in groups.items()))
+                decoded = dict(zip(groups, loaded))
             with metrics.stage("preprocess", timings, self.runtime.served_name):
-                image_plans = tuple(_at(r, image_proc.plan, im.height, im.width, r.hints)
-                                    for im, r in zip(decoded, images)) if image_proc is not None else ()
-                video_plans = tuple(_at(r, video_proc.plan, clip, r.hints)
-                                    for clip, r in zip(clips, videos)) if video_proc is not None else ()
-                image_hashes = tuple(item_hash(d.content_hash, hinted(image_proc.fingerprint, r.hints))
-                                     for d, r in zip(decoded, images)) if image_proc is not None else ()
-                video_hashes = tuple(item_hash(c.content_hash, hinted(self._video_fingerprint(video_proc, c),
-                                                                      r.hints))
-                                     for c, r in zip(clips, videos)) if video_proc is not None else ()
-                reps: dict[Modality, list[Replacement]] = {}
-                if images and image_proc is not None:
-                    reps[Modality.IMAGE] = [image_proc.expand(pl) for pl in image_plans]
-                if videos and video_proc is not None:
-                    reps[Modality.VIDEO] = [video_proc.expand(pl) for pl in video_plans]
+                native = {m: [_at(r, SOURCES[m].plan, procs[m], d, r.hints) for d, r in zip(decoded[m], refs)]
+                          for m, refs in groups.items()}
+                items = {m: [SOURCES[m].item(pl) for pl in native[m]] for m in groups}
+                prints = {m: [SOURCES[m].fingerprint(procs[m], d, self.settings) for d in decoded[m]] for m in groups}
+                hashes = {m: tuple(item_hash(d.content_hash, hinted(fp, r.hints))
+                                   for d, fp, r in zip(decoded[m], prints[m], refs)) for m, refs in groups.items()}
+                reps = {m: [procs[m].expand(pl) for pl in native[m]] for m in groups}  # type: ignore[arg-type]
                 raw = False
                 if choose_worker is not None:
-                    hashes = {Modality.IMAGE: image_hashes, Modality.VIDEO: video_hashes}
                     raw = choose_worker(modalities, expanded_key(ids, {
                         procs[m].anchor_token_id: [(h, _run(rep)) for h, rep in zip(hashes[m], reps[m])]
                         for m in reps}))
                     raw = raw and all(procs[m].device_normalizable for m in reps)
                 if limit is not None:
-                    items = [*zip(image_plans, images), *((vp.item, r) for vp, r in zip(video_plans, videos))]
-                    _check_payload(items, element_bytes(self.settings.transport, raw), limit)
-                defer = defer_pixels and plan.media[0].modality is Modality.IMAGE
-                image_batch, video_batch = await _all_or_none(
-                    self._preprocess_images(image_proc, decoded, images, image_plans, raw, defer),
-                    self._preprocess_videos(video_proc, clips, video_plans, raw))
+                    _check_payload([(pl, r) for m, refs in groups.items() for pl, r in zip(items[m], refs)],
+                                   element_bytes(self.settings.transport, raw), limit)
+                first = plan.media[0].modality
+                made = await _all_or_none(*(
+                    self._preprocess(procs[m], decoded[m], native[m], items[m], prints[m], groups[m], raw,
+                                     defer_pixels and m is first)
+                    for m in groups))
             with metrics.stage("expand", timings, self.runtime.served_name):
-                made: dict[Modality, tuple[EncoderBatch | None, tuple[str, ...]]] = {}
-                if images and image_proc is not None:
-                    made[Modality.IMAGE] = (image_batch, image_hashes)
-                if videos and video_proc is not None:
-                    made[Modality.VIDEO] = (video_batch, video_hashes)
                 ids, ranges = self._expand(ids, reps, procs, segments, add_special_tokens)
-                batches = tuple(_with_items(*made[m], ranges[m])
-                                for m in dict.fromkeys(r.modality for r in plan.media) if m in made)
-                item_plans = {Modality.IMAGE: iter(image_plans), Modality.VIDEO: iter(p.item for p in video_plans)}
-                plans = tuple(next(item_plans[r.modality]) for r in plan.media if r.modality in item_plans)
-            metrics.MM_ITEMS.labels(self.runtime.served_name, Modality.IMAGE.value).inc(len(images))
-            metrics.MM_ITEMS.labels(self.runtime.served_name, Modality.VIDEO.value).inc(len(videos))
+                batches = tuple(batch.with_items(tuple(ranges[m]), hashes[m]) for m, batch in zip(groups, made))
+                order = {m: iter(items[m]) for m in groups}
+                plans = tuple(next(order[r.modality]) for r in plan.media)
+            for m, refs in groups.items():
+                metrics.MM_ITEMS.labels(self.runtime.served_name, m.value).inc(len(refs))
         elif choose_worker is not None:
             choose_worker(modalities, RoutingKey.text(ids))
         return ids, batches, plans
 
     def _expand(self, ids: list[int], reps: Mapping[Modality, Sequence[Replacement]],
-                procs: Mapping[Modality, ImageProcessor | VideoProcessor], segments: Sequence[tuple[str, bool]] | None,
+                procs: Mapping[Modality, MediaProcessor], segments: Sequence[tuple[str, bool]] | None,
                 add_special_tokens: bool | None = None) -> tuple[list[int], dict[Modality, list[PlaceholderRange]]]:
         """Every anchor replaced by its item's prompt update: text-level updates first (the prompt
         text re-tokenized with the replacements in place, :func:`mmgate.pipeline.planning.splice_text`),
@@ -413,77 +388,59 @@ class Pipeline:
                          else by_anchor[procs[m].anchor_token_id])
         return ids, ranges
 
-    async def _fetch_decode(self, refs: Sequence[MediaRef]) -> list[DecodedImage]:
-        """Fetch each distinct URL once, decode each distinct payload once, concurrently."""
-        loop = asyncio.get_running_loop()
-        fs = self.settings.fetch
-        tasks: dict[str, asyncio.Future[DecodedImage]] = {}
+    async def _preprocess(self, proc: MediaProcessor, decoded: Sequence[Any], native: Sequence[Any],
+                          plans: Sequence[ItemPlan], prints: Sequence[str], refs: Sequence[MediaRef], raw: bool,
+                          defer: bool = False) -> EncoderBatch:
+        """One modality's batch: each distinct item's primary share computed once (the content-hash cache
+        first, then the pool), the other tensors from the plans.
 
-        async def one(ref: MediaRef) -> DecodedImage:
-            data = await self.fetcher.fetch(ref.url, fs.image_max_bytes, ref.param)
-            try:
-                return await loop.run_in_executor(self.executor, decode_image, data, fs.max_image_pixels,
-                                                  fs.image_apply_exif_orientation)
-            except GatewayError as exc:
-                raise GatewayError(exc.code, exc.message, ref.param) from None
-
-        for ref in refs:
-            if ref.url not in tasks:
-                tasks[ref.url] = asyncio.ensure_future(one(ref))
-        try:
-            await asyncio.gather(*tasks.values())
-        except BaseException:
-            for task in tasks.values():
-                task.cancel()
-            await asyncio.gather(*tasks.values(), return_exceptions=True)
-            raise
-        return [tasks[ref.url].result() for ref in refs]
-
-    async def _preprocess_images(self, proc: ImageProcessor | VideoProcessor | None, images: Sequence[DecodedImage],
-                                 refs: Sequence[MediaRef], plans: Sequence[ItemPlan], raw: bool,
-                                 defer: bool = False) -> EncoderBatch | None:
-        """Preprocess planned images (pixel cache first, then the thread pool); None for no images.
-
-        The primary tensor is computed by :meth:`_fill_images` into one array, or, with
-        ``defer`` (and a layout that allows it, :func:`mmgate.models.family.deferrable`), later
-        into whatever buffer the engine adapter gives the returned :class:`PendingTensor`.
+        ``native``: the processor's own plans (what its ``preprocess`` takes); ``plans``: their shared
+        :class:`ItemPlan`; ``prints``: each item's fingerprint (:meth:`MediaSource.fingerprint`).  The cache
+        key is the item's content hash with its fingerprint, output form and hints.  The primary tensor is
+        computed by :meth:`_fill` into one array, or, with ``defer`` (and a layout that allows it,
+        :func:`mmgate.models.family.deferrable`), later into whatever buffer the engine adapter gives the
+        returned :class:`PendingTensor`.
         """
-        if not images or proc is None:
-            return None
-        assert isinstance(proc, ImageProcessor)
         spec = primary_spec(proc.specs)
-        fingerprint = f"{proc.fingerprint}:raw={raw}"
-        keys = [item_hash(im.content_hash, hinted(fingerprint, r.hints)) for im, r in zip(images, refs)]
+        keys = [item_hash(d.content_hash, hinted(f"{fp}:raw={raw}", r.hints)) for d, fp, r in zip(decoded, prints, refs)]
+        items = {key: (d, pl) for key, d, pl in zip(keys, decoded, native)}
         dtype = np.dtype(np.uint8 if raw else np.float32)
         if not deferrable(spec, plans):
-            shares = await self._compute_images(proc, images, plans, keys, raw)
-            return assemble(proc, plans, shares)
+            shares = await self._compute(proc, items, keys, raw)
+            return assemble(proc, native, shares)
         shape, firsts = primary_layout(spec, plans)
         width = int(np.prod(shape[1:], dtype=np.int64))
+        rows = {key: item_rows(spec, pl) for key, pl in zip(keys, plans)}
 
         async def fill(target: RowTarget) -> None:
-            await self._fill_images(proc, spec, images, plans, keys, firsts, raw, target)
+            await self._fill(proc, spec, items, rows, keys, firsts, raw, target)
 
         if defer:
-            return assemble(proc, plans, PendingTensor(shape=shape, dtype=dtype, fill=fill))
+            return assemble(proc, native, PendingTensor(shape=shape, dtype=dtype, fill=fill))
         values = np.empty(shape, dtype=dtype)
         await fill(BufferTarget(values.reshape(-1).view(np.uint8), width, dtype.itemsize, owner=values))
-        return assemble(proc, plans, values)
+        return assemble(proc, native, values)
 
-    async def _compute_images(self, proc: ImageProcessor, images: Sequence[DecodedImage], plans: Sequence[ItemPlan],
-                              keys: Sequence[str], raw: bool) -> list[np.ndarray]:
-        """Each distinct image's primary share once (cache first, then the pool), in prompt order."""
+    def _cached(self, key: str, proc: MediaProcessor) -> np.ndarray | None:
+        """The cache's share under ``key`` (counted as a hit or miss of the modality), None without a cache."""
+        if self.cache is None:
+            return None
+        return self.cache.get(key, self.runtime.served_name, proc.modality.value)
+
+    async def _compute(self, proc: MediaProcessor, items: Mapping[str, tuple[Any, Any]], keys: Sequence[str],
+                       raw: bool) -> list[np.ndarray]:
+        """Each distinct item's primary share once (cache first, then the pool), in prompt order."""
         loop = asyncio.get_running_loop()
         todo: dict[str, asyncio.Future[np.ndarray]] = {}
         hits: dict[str, np.ndarray] = {}
-        for key, im, pl in zip(keys, images, plans):
+        for key in keys:
             if key in todo or key in hits:
                 continue
-            hit = self.cache.get(key, self.runtime.served_name) if self.cache is not None else None
+            hit = self._cached(key, proc)
             if hit is not None:
                 hits[key] = hit
             else:
-                todo[key] = loop.run_in_executor(self.executor, proc.preprocess, im, pl, raw)
+                todo[key] = loop.run_in_executor(self.executor, proc.preprocess, *items[key], raw)  # type: ignore[arg-type]
         await _all_or_none(*todo.values())
         for key, fut in todo.items():
             hits[key] = fut.result()
@@ -491,10 +448,10 @@ class Pipeline:
                 self.cache.put(key, hits[key])
         return [hits[key] for key in keys]
 
-    async def _fill_images(self, proc: ImageProcessor, spec: TensorSpec, images: Sequence[DecodedImage],
-                           plans: Sequence[ItemPlan], keys: Sequence[str], firsts: Sequence[int], raw: bool,
-                           target: RowTarget) -> None:
-        """Write every image's share at its first row of ``target`` (the primary tensor's
+    async def _fill(self, proc: MediaProcessor, spec: TensorSpec, items: Mapping[str, tuple[Any, Any]],
+                    rows: Mapping[str, int], keys: Sequence[str], firsts: Sequence[int], raw: bool,
+                    target: RowTarget) -> None:
+        """Write every item's share at its first row of ``target`` (the primary tensor's
         ``[rows, width]`` view), in the pool.
 
         A cache hit is copied in; an image seen once with no cache, of a processor that writes
@@ -506,7 +463,6 @@ class Pipeline:
         places: dict[str, list[int]] = {}
         for key, first in zip(keys, firsts):
             places.setdefault(key, []).append(first)
-        items = {key: (im, pl) for key, im, pl in zip(keys, images, plans)}
         writer = proc if isinstance(proc, RowWriter) and spec.layout is TensorLayout.FLAT else None
 
         def stream(im: DecodedImage, pl: ItemPlan, first: int, band: tuple[int, int]) -> None:
@@ -514,19 +470,19 @@ class Pipeline:
             with target.writer() as put:
                 writer.write_rows(im, pl, raw, lambda row, block: put(first + row, block), band)
 
-        def copy(share: np.ndarray | None, im: DecodedImage, pl: ItemPlan, at: list[int]) -> np.ndarray:
+        def copy(share: np.ndarray | None, key: str, at: list[int]) -> np.ndarray:
             with target.writer() as put:
                 if share is None:
-                    share = proc.preprocess(im, pl, raw)
-                rows = share.reshape(item_rows(spec, pl), -1)
+                    share = proc.preprocess(*items[key], raw)  # type: ignore[arg-type]
+                block = share.reshape(rows[key], -1)
                 for first in at:
-                    put(first, rows)
+                    put(first, block)
                 return share
 
         async def one(key: str, at: list[int], hit: np.ndarray | None) -> np.ndarray | None:
-            im, pl = items[key]
             if writer is None or hit is not None or len(at) > 1 or self.cache is not None:
-                return await loop.run_in_executor(self.executor, copy, hit, im, pl, at)
+                return await loop.run_in_executor(self.executor, copy, hit, key, at)
+            im, pl = items[key]
             parts = max(1, min(self.parallelism, pl.primary_shape[0] // BAND_MIN_ROWS))
             if parts > 1:
                 im = await loop.run_in_executor(self.executor, writer.resized, im, pl)
@@ -534,93 +490,12 @@ class Pipeline:
                                  for k in range(parts)))
             return None
 
-        hits = {key: self.cache.get(key, self.runtime.served_name) if self.cache is not None else None for key in places}
+        hits = {key: self._cached(key, proc) for key in places}
         computed = await _all_or_none(*(one(key, at, hits[key]) for key, at in places.items()))
         if self.cache is not None:
             for key, share in zip(places, computed):
                 if hits[key] is None and share is not None:
                     self.cache.put(key, share)
-
-    def _video_fingerprint(self, proc: ImageProcessor | VideoProcessor, clip: DecodedVideo) -> str:
-        """The video processor fingerprint of ``clip``'s hash; a clip turned upright hashes apart from the
-        same clip in its stored orientation (``--no-video-apply-rotation``)."""
-        turned = self.settings.video.apply_rotation and upright_turns(clip.rotation)
-        return f"{proc.fingerprint}:upright" if turned else proc.fingerprint
-
-    async def _fetch_decode_videos(self, proc: ImageProcessor | VideoProcessor | None, refs: Sequence[MediaRef],
-                                   limit: int | None = None) -> list[DecodedVideo]:
-        """Fetch each distinct URL once; sample and decode each distinct (URL, fps hint) once, one clip per
-        pool task, all clips sharing the request's decoded-pixel allowance.  When this fails or is
-        cancelled (another item failed, the client went away), the decoding threads stop at their
-        next frame.
-
-        ``limit``: encoder-tensor bytes the request may plan; the clips planned from their headers
-        (sampled frames, header size) must fit in it together, or the request is refused before
-        they are decoded (413 ``multimodal_payload_too_large`` naming the clip that goes over)."""
-        if not refs or proc is None:
-            return []
-        assert isinstance(proc, VideoProcessor)
-        loop = asyncio.get_running_loop()
-        fs, vs = self.settings.fetch, self.settings.video
-        allowance = PixelAllowance(vs.max_decoded_pixels)
-        stop = threading.Event()
-        payloads: dict[str, asyncio.Future[bytes]] = {}
-        planned: dict[tuple[str, float | None], int] = {}  # header-planned bytes per distinct clip
-        planned_lock = threading.Lock()
-        itemsize = element_bytes(self.settings.transport, raw=False)
-
-        def sampler(ref: MediaRef) -> Callable[[VideoMeta], list[int]]:
-            def sample(meta: VideoMeta) -> list[int]:
-                indices = proc.sample(meta, ref.hints)
-                if limit is not None:
-                    item = proc.plan(planned_clip(meta, indices), ref.hints).item
-                    with planned_lock:
-                        planned[(ref.url, ref.hints.fps)] = item.primary_values * itemsize
-                        total = sum(planned.values())
-                    if total > limit:
-                        raise payload_too_large(total, limit, ref.param)
-                return indices
-            return sample
-
-        async def one(ref: MediaRef) -> DecodedVideo:
-            data = await payloads[ref.url]
-            started = time.perf_counter()
-            try:
-                clip = await loop.run_in_executor(self.executor, partial(
-                    decode_video, data, sampler(ref), allowance, vs.decode_timeout_s, stop,
-                    apply_rotation=vs.apply_rotation))
-            except GatewayError as exc:
-                raise GatewayError(exc.code, exc.message, ref.param) from None
-            timing_log.video_decoded(len(data), len(clip.frame_indices), clip.height, clip.width, clip.rotation,
-                                     time.perf_counter() - started)
-            return clip
-
-        tasks: dict[tuple[str, float | None], asyncio.Future[DecodedVideo]] = {}
-        for ref in refs:
-            if ref.url not in payloads:
-                payloads[ref.url] = asyncio.ensure_future(self.fetcher.fetch(ref.url, fs.video_max_bytes, ref.param))
-            if (ref.url, ref.hints.fps) not in tasks:
-                tasks[(ref.url, ref.hints.fps)] = asyncio.ensure_future(one(ref))
-        try:
-            await _all_or_none(*payloads.values(), *tasks.values())
-        except BaseException:
-            stop.set()
-            raise
-        return [tasks[(ref.url, ref.hints.fps)].result() for ref in refs]
-
-    async def _preprocess_videos(self, proc: ImageProcessor | VideoProcessor | None, clips: Sequence[DecodedVideo],
-                                 plans: Sequence[VideoPlan], raw: bool) -> EncoderBatch | None:
-        """Preprocess each distinct (clip, plan) once, in parallel in the pool; None for no clips."""
-        if not clips or proc is None:
-            return None
-        assert isinstance(proc, VideoProcessor)
-        loop = asyncio.get_running_loop()
-        todo: dict[tuple[int, VideoPlan], asyncio.Future[np.ndarray]] = {}
-        for clip, pl in zip(clips, plans):
-            if (id(clip), pl) not in todo:
-                todo[(id(clip), pl)] = loop.run_in_executor(self.executor, proc.preprocess, clip, pl, raw)
-        await _all_or_none(*todo.values())
-        return assemble(proc, plans, [todo[(id(c), pl)].result() for c, pl in zip(clips, plans)])
 
 
 #: rows of ``pixel_values`` per band below which a deferred image is not split across threads
@@ -665,12 +540,6 @@ def _run(rep: Replacement) -> tuple[int, ...] | int:
     if rep.text is None:
         return rep.token_ids
     return rep.embed_offset + rep.embed_length + rep.trail
-
-
-def _with_items(batch: EncoderBatch | None, hashes: tuple[str, ...], ranges: Sequence[PlaceholderRange]) -> EncoderBatch:
-    """``batch`` with its items' hashes and placeholder ranges."""
-    assert batch is not None
-    return batch.with_items(tuple(ranges), hashes)
 
 
 def _small_conversation(req: ChatCompletionRequest) -> bool:

@@ -1,0 +1,278 @@
+"""Media sources: one per modality, fetch -> decode -> sample, each distinct item once.
+
+Stage: fetch+decode (the pipeline's ``fetch_decode`` stage).  In: a modality's media references in prompt
+order and that modality's processor (:class:`~mmgate.models.family.MediaProcessor`); out: one decoded item
+per reference (the same object for references that decode alike), ready for the processor's ``plan``.
+
+A source is the only modality-specific piece of the pipeline's loop (:mod:`mmgate.pipeline.prepare`):
+
+* :meth:`MediaSource.load` fetches each distinct URL once (:class:`~mmgate.media.fetch.MediaFetcher`, the
+  modality's byte cap) and decodes each distinct (URL, decode hints) once in the thread pool, with the
+  modality's decoder (:mod:`mmgate.media.image`, :mod:`mmgate.media.video`, ``mmgate.media.audio``);
+* :meth:`MediaSource.plan` calls the processor's ``plan`` with what it takes (an image's size, a clip, a
+  waveform) and :meth:`MediaSource.item` reads the shared :class:`~mmgate.types.ItemPlan` out of it;
+* :meth:`MediaSource.fingerprint` is the processor's fingerprint as it applies to one decoded item (a
+  clip turned upright hashes apart from the same clip as stored).
+
+Everything else (the content-hash cache, deferral, the anchor check, item limits, expansion) is generic.
+How to add a modality: docs/architecture.md, "The modality seam".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from mmgate.config.settings import Settings
+from mmgate.errors import ErrorCode, GatewayError
+from mmgate.media.fetch import MediaFetcher
+from mmgate.media.image import decode_image
+from mmgate.media.video import PixelAllowance, decode_video, planned_clip, upright_turns
+from mmgate.models.family import AudioProcessor, ImageProcessor, MediaProcessor, VideoProcessor
+from mmgate.observe import timing_log
+from mmgate.transport.limits import element_bytes, payload_too_large
+from mmgate.types import (
+    DecodedAudio,
+    DecodedImage,
+    DecodedVideo,
+    ItemHints,
+    ItemPlan,
+    MediaRef,
+    Modality,
+    VideoMeta,
+    VideoPlan,
+)
+
+#: ``decode(data, target_rate, limits) -> DecodedAudio``: mono float32 at ``target_rate`` Hz
+AudioDecoder = Callable[[bytes, int, Any], DecodedAudio]
+
+
+@dataclass(frozen=True, slots=True)
+class SourceContext:
+    """What every source reads: the fetcher, the decode pool and the settings (limits)."""
+
+    fetcher: MediaFetcher
+    executor: Executor
+    settings: Settings
+
+
+class MediaSource(Protocol):
+    """Fetch -> decode -> sample for one modality (see the module docstring)."""
+
+    modality: Modality
+
+    async def load(self, ctx: SourceContext, proc: MediaProcessor, refs: Sequence[MediaRef],
+                   limit: int | None = None) -> list[Any]:
+        """One decoded item per ref, in order; each distinct URL fetched once, each distinct decode once.
+        ``limit``: encoder-tensor bytes the request may plan (a source that can plan from a header before
+        decoding checks it there; None: not checked).
+
+        Raises:
+            GatewayError: a fetch or decode refusal, ``param`` naming the ref's content part.
+        """
+        ...
+
+    def plan(self, proc: MediaProcessor, item: Any, hints: ItemHints) -> Any:
+        """The processor's plan of one decoded item (what its ``preprocess`` and ``expand`` take)."""
+        ...
+
+    def item(self, plan: Any) -> ItemPlan:
+        """The shared :class:`ItemPlan` of a plan from :meth:`plan`."""
+        ...
+
+    def fingerprint(self, proc: MediaProcessor, item: Any, settings: Settings) -> str:
+        """``proc.fingerprint`` as it applies to ``item`` (the cache and hash key's processor part)."""
+        ...
+
+
+async def gather_or_cancel(tasks: Sequence[asyncio.Future[Any]]) -> list[Any]:
+    """``asyncio.gather`` that cancels (and waits for) the others when one fails."""
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def _named(exc: GatewayError, ref: MediaRef) -> GatewayError:
+    return GatewayError(exc.code, exc.message, ref.param)
+
+
+async def _load_each(ctx: SourceContext, refs: Sequence[MediaRef], max_bytes: int,
+                     decode_key: Callable[[MediaRef], Hashable],
+                     decode: Callable[[bytes, MediaRef], Any], on_fail: Callable[[], None] | None = None) -> list[Any]:
+    """Each distinct URL fetched once, each distinct ``decode_key`` decoded once in the pool (``decode(data,
+    ref)``), concurrently; one result per ref.  ``on_fail``: called when any of it fails or is cancelled
+    (stops decoders that poll a flag)."""
+    loop = asyncio.get_running_loop()
+    payloads: dict[str, asyncio.Future[bytes]] = {}
+    tasks: dict[Hashable, asyncio.Future[Any]] = {}
+
+    async def one(ref: MediaRef) -> Any:
+        data = await payloads[ref.url]
+        try:
+            return await loop.run_in_executor(ctx.executor, decode, data, ref)
+        except GatewayError as exc:
+            raise _named(exc, ref) from None
+
+    for ref in refs:
+        if ref.url not in payloads:
+            payloads[ref.url] = asyncio.ensure_future(ctx.fetcher.fetch(ref.url, max_bytes, ref.param))
+        key = decode_key(ref)
+        if key not in tasks:
+            tasks[key] = asyncio.ensure_future(one(ref))
+    try:
+        await gather_or_cancel([*payloads.values(), *tasks.values()])
+    except BaseException:
+        if on_fail is not None:
+            on_fail()
+        raise
+    return [tasks[decode_key(ref)].result() for ref in refs]
+
+
+class ImageSource:
+    """Images: :func:`mmgate.media.image.decode_image` (Pillow), keyed by URL."""
+
+    modality = Modality.IMAGE
+
+    async def load(self, ctx: SourceContext, proc: MediaProcessor, refs: Sequence[MediaRef],
+                   limit: int | None = None) -> list[DecodedImage]:
+        fs = ctx.settings.fetch
+
+        def decode(data: bytes, ref: MediaRef) -> DecodedImage:
+            return decode_image(data, fs.max_image_pixels, fs.image_apply_exif_orientation)
+
+        return await _load_each(ctx, refs, fs.image_max_bytes, lambda r: r.url, decode)
+
+    def plan(self, proc: MediaProcessor, item: DecodedImage, hints: ItemHints) -> ItemPlan:
+        assert isinstance(proc, ImageProcessor)
+        return proc.plan(item.height, item.width, hints)
+
+    def item(self, plan: ItemPlan) -> ItemPlan:
+        return plan
+
+    def fingerprint(self, proc: MediaProcessor, item: DecodedImage, settings: Settings) -> str:
+        return proc.fingerprint
+
+
+class VideoSource:
+    """Clips: sampled from the header by the processor (:meth:`VideoProcessor.sample`), checked against the
+    request's decoded-pixel allowance and, from the header, against the encoder-tensor limit, then decoded
+    by :func:`mmgate.media.video.decode_video`; keyed by (URL, fps hint).  When the request fails or is
+    cancelled the decoding threads stop at their next frame."""
+
+    modality = Modality.VIDEO
+
+    async def load(self, ctx: SourceContext, proc: MediaProcessor, refs: Sequence[MediaRef],
+                   limit: int | None = None) -> list[DecodedVideo]:
+        assert isinstance(proc, VideoProcessor)
+        fs, vs = ctx.settings.fetch, ctx.settings.video
+        allowance = PixelAllowance(vs.max_decoded_pixels)
+        stop = threading.Event()
+        planned: dict[tuple[str, float | None], int] = {}  # header-planned bytes per distinct clip
+        planned_lock = threading.Lock()
+        itemsize = element_bytes(ctx.settings.transport, raw=False)
+
+        def sampler(ref: MediaRef) -> Callable[[VideoMeta], list[int]]:
+            def sample(meta: VideoMeta) -> list[int]:
+                indices = proc.sample(meta, ref.hints)
+                if limit is not None:
+                    item = proc.plan(planned_clip(meta, indices), ref.hints).item
+                    with planned_lock:
+                        planned[(ref.url, ref.hints.fps)] = item.primary_values * itemsize
+                        total = sum(planned.values())
+                    if total > limit:
+                        raise payload_too_large(total, limit, ref.param)
+                return indices
+            return sample
+
+        def decode(data: bytes, ref: MediaRef) -> DecodedVideo:
+            started = time.perf_counter()
+            clip = decode_video(data, sampler(ref), allowance, vs.decode_timeout_s, stop,
+                                apply_rotation=vs.apply_rotation)
+            timing_log.video_decoded(len(data), len(clip.frame_indices), clip.height, clip.width, clip.rotation,
+                                     time.perf_counter() - started)
+            return clip
+
+        return await _load_each(ctx, refs, fs.video_max_bytes, lambda r: (r.url, r.hints.fps), decode, stop.set)
+
+    def plan(self, proc: MediaProcessor, item: DecodedVideo, hints: ItemHints) -> VideoPlan:
+        assert isinstance(proc, VideoProcessor)
+        return proc.plan(item, hints)
+
+    def item(self, plan: VideoPlan) -> ItemPlan:
+        return plan.item
+
+    def fingerprint(self, proc: MediaProcessor, item: DecodedVideo, settings: Settings) -> str:
+        """A clip turned upright hashes apart from the same clip in its stored orientation
+        (``--no-video-apply-rotation``)."""
+        turned = settings.video.apply_rotation and upright_turns(item.rotation)
+        return f"{proc.fingerprint}:upright" if turned else proc.fingerprint
+
+
+def default_audio_decoder() -> AudioDecoder:
+    """``mmgate.media.audio.decode_audio`` (PyAV decode -> mono float32 at the processor's rate), imported
+    when the first audio item arrives.
+
+    Raises:
+        GatewayError(MULTIMODAL_NOT_SUPPORTED): the decoder is not available in this install.
+    """
+    try:
+        from mmgate.media.audio import decode_audio  # type: ignore[import-not-found, unused-ignore]
+    except ImportError:
+        raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED,
+                           "audio input needs the audio decoder (mmgate.media.audio, PyAV)") from None
+    decoder: AudioDecoder = decode_audio
+    return decoder
+
+
+class AudioSource:
+    """Audio clips: decoded, downmixed to mono and resampled to the processor's
+    :attr:`~mmgate.models.family.AudioProcessor.sampling_rate` by the audio decoder, keyed by URL.
+
+    ``decoder``: ``decode(data, target_rate, limits)`` with ``limits`` the
+    :class:`~mmgate.config.settings.AudioSettings` (duration cap, decode timeout); None:
+    :func:`default_audio_decoder`."""
+
+    modality = Modality.AUDIO
+
+    def __init__(self, decoder: AudioDecoder | None = None) -> None:
+        self._decoder = decoder
+
+    async def load(self, ctx: SourceContext, proc: MediaProcessor, refs: Sequence[MediaRef],
+                   limit: int | None = None) -> list[DecodedAudio]:
+        assert isinstance(proc, AudioProcessor)
+        decoder = self._decoder or default_audio_decoder()
+        limits = ctx.settings.audio
+        rate = proc.sampling_rate
+
+        def decode(data: bytes, ref: MediaRef) -> DecodedAudio:
+            return decoder(data, rate, limits)
+
+        return await _load_each(ctx, refs, ctx.settings.fetch.audio_max_bytes, lambda r: r.url, decode)
+
+    def plan(self, proc: MediaProcessor, item: DecodedAudio, hints: ItemHints) -> ItemPlan:
+        assert isinstance(proc, AudioProcessor)
+        return proc.plan(item, hints)
+
+    def item(self, plan: ItemPlan) -> ItemPlan:
+        return plan
+
+    def fingerprint(self, proc: MediaProcessor, item: DecodedAudio, settings: Settings) -> str:
+        return proc.fingerprint
+
+
+#: the one source of each modality
+SOURCES: Mapping[Modality, MediaSource] = {
+    Modality.IMAGE: ImageSource(), Modality.VIDEO: VideoSource(), Modality.AUDIO: AudioSource(),
+}
+
+__all__ = ["SOURCES", "AudioDecoder", "AudioSource", "ImageSource", "MediaSource", "SourceContext", "VideoSource",
+           "default_audio_decoder", "gather_or_cancel"]
