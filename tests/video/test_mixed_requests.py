@@ -18,6 +18,7 @@ from PIL import Image
 
 from mmgate.request.parse import parse_chat_request
 from mmgate.pipeline.prepare import Pipeline
+from mmgate.types import Modality
 from tests.video.video_support import (
     QWEN2_5,
     QWEN3,
@@ -74,7 +75,7 @@ def test_clip_image_clip_request_matches_the_processor_batch_by_batch(model: str
 def test_distinct_clips_are_preprocessed_concurrently_and_a_repeated_clip_once(clips: dict[str, Path]) -> None:
     """Two clips meet at a barrier inside preprocessing (it would time out if they ran one after the
     other); the same clip twice (same URL, same hints) is decoded and preprocessed once."""
-    import mmgate.pipeline.prepare as pipeline_module
+    import mmgate.pipeline.sources as sources_module
 
     base = pipeline(QWEN3)
     family = base.runtime.family
@@ -93,11 +94,12 @@ def test_distinct_clips_are_preprocessed_concurrently_and_a_repeated_clip_once(c
 
     class Spy:
         video = VideoSpy()
+        processors = {**family.processors, Modality.VIDEO: video}
 
         def __getattr__(self, name: str):
             return getattr(family, name)
 
-    real_decode = pipeline_module.decode_video
+    real_decode = sources_module.decode_video
 
     def counting_decode(*args, **kwargs):
         decodes.append(1)
@@ -109,11 +111,11 @@ def test_distinct_clips_are_preprocessed_concurrently_and_a_repeated_clip_once(c
     a, b = data_url(clips["f60_30fps"]), data_url(clips["f20_vfr"])
     parts = [{"type": "video_url", "video_url": {"url": u}} for u in (a, b, a)]
     body = {"model": QWEN3, "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "hi"}]}]}
-    pipeline_module.decode_video = counting_decode
+    sources_module.decode_video = counting_decode
     try:
         prepared = asyncio.run(pipe.prepare(parse_chat_request(json.dumps(body).encode())))
     finally:
-        pipeline_module.decode_video = real_decode
+        sources_module.decode_video = real_decode
     assert len(calls) == 2 and len(decodes) == 2
     (batch,) = prepared.batches
     assert len(batch.placeholders) == 3 and batch.mm_hashes[0] == batch.mm_hashes[2] != batch.mm_hashes[1]

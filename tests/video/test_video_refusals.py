@@ -154,7 +154,7 @@ def test_a_request_that_fails_stops_its_video_decoding(clips: dict[str, Path], m
     otherwise run on to its deadline), and a decode told to stop refuses at its next frame."""
     import threading
 
-    from mmgate.pipeline import prepare as pipeline_module
+    from mmgate.pipeline import sources as pipeline_module  # the media sources call the decoders
     from mmgate.media.video import decode_video
 
     clip = clips["f60_30fps"]
