@@ -188,7 +188,7 @@ def test_serve_help_is_grouped_by_topic_and_names_each_variable() -> None:
     out = subprocess.run([sys.executable, "-m", "mmgate.cli", "serve", "--help"], capture_output=True, text=True,
                          timeout=60, check=True).stdout
     headings = [line[:-1] for line in out.splitlines() if line and not line[0].isspace() and line.endswith(":")]
-    assert headings == ["options", "model and server", "media intake", "video", "tensor transport",
+    assert headings == ["options", "model and server", "media intake", "video", "audio", "tensor transport",
                         "processing mode", "workers", "routing policy", "HTTP limits", "API keys",
                         "structured outputs and tools", "memory", "logging and metrics"]
     text = " ".join(out.split())
