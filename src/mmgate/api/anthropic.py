@@ -85,9 +85,18 @@ class ImageBlock(msgspec.Struct, frozen=True, tag_field="type", tag="image"):
     source: Base64Source | URLSource
 
 
+class AudioBlock(msgspec.Struct, frozen=True, tag_field="type", tag="audio"):
+    """Not an Anthropic block (the Messages API has no audio): parsed only to be refused by name
+    (``multimodal_not_supported``) instead of as an unknown block type."""
+
+
+class InputAudioBlock(msgspec.Struct, frozen=True, tag_field="type", tag="input_audio"):
+    """The OpenAI chat part sent to the Messages API by mistake: refused by name, as :class:`AudioBlock`."""
+
+
 class AnthropicMessage(msgspec.Struct, frozen=True):
     role: str  # "user" | "assistant"
-    content: str | list[TextBlock | ImageBlock]
+    content: str | list[TextBlock | ImageBlock | AudioBlock | InputAudioBlock]
 
 
 class Metadata(msgspec.Struct, frozen=True):
@@ -193,6 +202,10 @@ def parse_messages_request(body: bytes) -> MessagesRequest:
         if isinstance(message.content, list) and not message.content:
             raise _refuse("content must not be empty", f"messages[{mi}].content")
         for bi, block in enumerate(message.content if isinstance(message.content, list) else ()):
+            if isinstance(block, (AudioBlock, InputAudioBlock)):
+                raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED,
+                                   "the Messages API has no audio content; send audio to /v1/chat/completions "
+                                   "(input_audio or audio_url parts)", f"messages[{mi}].content[{bi}]")
             if isinstance(block, ImageBlock) and isinstance(block.source, Base64Source) \
                     and block.source.media_type not in IMAGE_MEDIA_TYPES:
                 raise _refuse("media_type must be one of " + ", ".join(IMAGE_MEDIA_TYPES),
@@ -220,6 +233,8 @@ def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
             if isinstance(block, TextBlock):
                 if block.text:
                     parts.append(TextPart(text=block.text))
+            elif not isinstance(block, ImageBlock):
+                continue  # audio blocks were refused by validation
             elif isinstance(block.source, Base64Source):
                 url = f"data:{block.source.media_type};base64,{block.source.data}"
                 parts.append(ImagePart(image_url=ImageURL(url=url)))

@@ -52,10 +52,12 @@ from mmgate.errors import ErrorCode, GatewayError
 from mmgate.request.protocol import (
     MAX_TOKENS_LIMIT,
     TEMPERATURE_RANGE,
+    AudioPart,
     ChatCompletionRequest,
     ContentPart,
     ImagePart,
     ImageURL,
+    InputAudio,
     Message,
     TextPart,
     check_json_depth,
@@ -86,6 +88,20 @@ class InputImage(msgspec.Struct, frozen=True, tag_field="type", tag="input_image
     detail: str | None = None  # passed on as the chat part's ``detail``
 
 
+class InputAudioItem(msgspec.Struct, frozen=True):
+    """``input_audio`` of an ``input_audio`` part (openai-python ``ResponseInputAudioParam.InputAudio``)."""
+
+    data: str  # base64 bytes
+    format: str = "wav"  # "mp3" | "wav" in OpenAI's shape; the chat part's formats are taken
+
+
+class InputAudioPart(msgspec.Struct, frozen=True, tag_field="type", tag="input_audio"):
+    """``{"type": "input_audio", "input_audio": {"data", "format"}}`` (openai-python ``ResponseInputAudioParam``)
+    -> a chat ``input_audio`` part."""
+
+    input_audio: InputAudioItem
+
+
 class OutputText(msgspec.Struct, frozen=True, tag_field="type", tag="output_text"):
     """An earlier answer passed back in an assistant item (annotations and logprobs are dropped)."""
 
@@ -94,7 +110,7 @@ class OutputText(msgspec.Struct, frozen=True, tag_field="type", tag="output_text
     logprobs: list[Any] | None = None
 
 
-InputPart = InputText | InputImage | OutputText
+InputPart = InputText | InputImage | InputAudioPart | OutputText
 
 
 class InputMessage(msgspec.Struct, frozen=True):
@@ -301,13 +317,21 @@ def to_chat_request(req: ResponsesRequest) -> tuple[ChatCompletionRequest, list[
             if isinstance(item.content, str):
                 content = item.content
             else:
-                content = [ImagePart(ImageURL(url=part.image_url or "", detail=part.detail))
-                           if isinstance(part, InputImage) else TextPart(part.text) for part in item.content]
+                content = [_chat_part(part) for part in item.content]
             messages.append(Message(role=item.role, content=content))
             origins.append(f"input[{i}]")
     chat = ChatCompletionRequest(model=req.model, messages=messages, stream=req.stream,
                                  max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p)
     return chat, origins
+
+
+def _chat_part(part: InputPart) -> ContentPart:
+    """One Responses content part as the chat part it stands for."""
+    if isinstance(part, InputImage):
+        return ImagePart(ImageURL(url=part.image_url or "", detail=part.detail))
+    if isinstance(part, InputAudioPart):
+        return AudioPart(InputAudio(data=part.input_audio.data, format=part.input_audio.format))
+    return TextPart(part.text)
 
 
 _CHAT_PARAM = re.compile(r"^messages\[(?P<index>\d+)\](?P<rest>.*)$")
