@@ -202,13 +202,15 @@ def test_a_model_not_opted_in_is_router_mode_model_not_opted_in(
     assert sorted(sent_refs(engines["capable"]) + sent_refs(engines["capable2"])) == [-1, 1]
 
 
-def test_audio_is_never_forwarded_plan_not_forwardable(uniform: Gateway, engines: dict[str, FakeEngine]) -> None:
+def test_audio_is_forwardable_but_a_model_without_audio_refuses_it_before_sending(
+        uniform: Gateway, engines: dict[str, FakeEngine]) -> None:
+    """Issue 23: audio reaches workers as media references (the worker path decides as for images); this
+    model's family takes no audio, so planning refuses it before any reference is sent."""
     before = uniform.decisions()
-    body = chat([{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, TEXT])
+    body = chat([{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "mp3"}}, TEXT])
     resp = uniform.post(body)
-    # Router mode, where this model's family refuses audio.
     assert resp.status_code == 400 and resp.headers["X-SMG-Error-Code"] == "multimodal_not_supported"
-    assert delta(before, uniform.decisions()) == {("router", "plan_not_forwardable"): 1}
+    assert delta(before, uniform.decisions()) == {("worker", "auto_uniform"): 1}
     assert engines["capable"].requests == [] and engines["capable2"].requests == []
 
 

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from mmgate.config.settings import Settings
 from mmgate.errors import ErrorCode, GatewayError
@@ -107,20 +107,26 @@ def _named(exc: GatewayError, ref: MediaRef) -> GatewayError:
 
 async def _load_each(ctx: SourceContext, refs: Sequence[MediaRef], max_bytes: int,
                      decode_key: Callable[[MediaRef], Hashable],
-                     decode: Callable[[bytes, MediaRef], Any], on_fail: Callable[[], None] | None = None) -> list[Any]:
+                     decode: Callable[[bytes, MediaRef], Any], on_fail: Callable[[], None] | None = None,
+                     decoded: Callable[[bytes, Any, float], None] | None = None) -> list[Any]:
     """Each distinct URL fetched once, each distinct ``decode_key`` decoded once in the pool (``decode(data,
     ref)``), concurrently; one result per ref.  ``on_fail``: called when any of it fails or is cancelled
-    (stops decoders that poll a flag)."""
+    (stops decoders that poll a flag).  ``decoded(data, item, seconds)``: called on the event loop after each
+    decode (the request's timing context lives there, not in the pool)."""
     loop = asyncio.get_running_loop()
     payloads: dict[str, asyncio.Future[bytes]] = {}
     tasks: dict[Hashable, asyncio.Future[Any]] = {}
 
     async def one(ref: MediaRef) -> Any:
         data = await payloads[ref.url]
+        started = time.perf_counter()
         try:
-            return await loop.run_in_executor(ctx.executor, decode, data, ref)
+            item = await loop.run_in_executor(ctx.executor, decode, data, ref)
         except GatewayError as exc:
             raise _named(exc, ref) from None
+        if decoded is not None:
+            decoded(data, item, time.perf_counter() - started)
+        return item
 
     for ref in refs:
         if ref.url not in payloads:
@@ -194,14 +200,15 @@ class VideoSource:
             return sample
 
         def decode(data: bytes, ref: MediaRef) -> DecodedVideo:
-            started = time.perf_counter()
-            clip = decode_video(data, sampler(ref), allowance, vs.decode_timeout_s, stop,
+            return decode_video(data, sampler(ref), allowance, vs.decode_timeout_s, stop,
                                 apply_rotation=vs.apply_rotation)
-            timing_log.video_decoded(len(data), len(clip.frame_indices), clip.height, clip.width, clip.rotation,
-                                     time.perf_counter() - started)
-            return clip
 
-        return await _load_each(ctx, refs, fs.video_max_bytes, lambda r: (r.url, r.hints.fps), decode, stop.set)
+        def logged(data: bytes, clip: DecodedVideo, seconds: float) -> None:
+            timing_log.video_decoded(len(data), len(clip.frame_indices), clip.height, clip.width, clip.rotation,
+                                     seconds)
+
+        return await _load_each(ctx, refs, fs.video_max_bytes, lambda r: (r.url, r.hints.fps), decode, stop.set,
+                                logged)
 
     def plan(self, proc: MediaProcessor, item: DecodedVideo, hints: ItemHints) -> VideoPlan:
         assert isinstance(proc, VideoProcessor)
@@ -248,10 +255,9 @@ class AudioSource:
 
     async def load(self, ctx: SourceContext, proc: MediaProcessor, refs: Sequence[MediaRef],
                    limit: int | None = None) -> list[DecodedAudio]:
-        assert isinstance(proc, AudioProcessor)
         decoder = self._decoder or default_audio_decoder()
         limits = ctx.settings.audio
-        rate = proc.sampling_rate
+        rate = cast(AudioProcessor, proc).sampling_rate  # only the rate is read here
 
         def decode(data: bytes, ref: MediaRef) -> DecodedAudio:
             return decoder(data, rate, limits)
