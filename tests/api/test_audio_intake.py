@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from mmgate.config.settings import FetchSettings, Settings
+from mmgate.config.settings import FetchSettings, MmProcessing, Settings
 from mmgate.engines.base import Wire
 from mmgate.gateway import state as state_module
 from mmgate.types import Modality, TensorLayout, TensorSpec
@@ -28,14 +28,17 @@ from tests.conftest import bundle_dir
 from tests.support.fake_engines import FakeEngine, FakeEngineState
 from tests.support.fake_worker import FakeWorker, FakeWorkerState
 from tests.support.servers import MediaOrigin, gateway_in_thread, media_origin
+from tests.worker_mode.support import MODEL as REFS_MODEL
+from tests.worker_mode.support import FakeEngine as RefsEngine
+from tests.worker_mode.support import wait_for
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 WAV = base64.b64encode(b"RIFF" + b"\x00" * 40).decode()
 
 
-def settings(*urls: str) -> Settings:
-    return Settings(model=str(bundle_dir(MODEL)), worker_urls=urls, fetch=FetchSettings(allow_private_hosts=True),
-                    worker_health_interval_s=0.2, sglang_allow_mrope_media=True)
+def settings(*urls: str, mode: MmProcessing = MmProcessing.AUTO, model: str = MODEL) -> Settings:
+    return Settings(model=str(bundle_dir(model)), worker_urls=urls, fetch=FetchSettings(allow_private_hosts=True),
+                    worker_health_interval_s=0.2, sglang_allow_mrope_media=True, mm_processing=mode)
 
 
 def chat(*parts: dict) -> dict:
@@ -93,20 +96,26 @@ def plain() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def with_audio() -> Iterator[dict[Wire, str]]:
-    """The same model with an audio processor, one gateway per wire."""
+def with_audio() -> Iterator[dict[Any, str]]:
+    """The same model with an audio processor, one gateway per wire (router-side processing), and a vLLM
+    gateway under ``--mm-processing auto`` whose worker advertises a media processor (``vllm-refs``)."""
     real = state_module.load_family
     state_module.load_family = lambda *a, **k: WithAudio(real(*a, **k))  # type: ignore[assignment]
     vllm = FakeWorker(FakeWorkerState(model_type="qwen2_5_vl"))
     sglang = FakeEngine("sglang")
     tokenspeed = FakeEngine("tokenspeed", FakeEngineState(supported_modalities=("image", "video", "audio")))
+    refs = RefsEngine(processor="inprocess", schemes="data,http,https").start()
     try:
-        with gateway_in_thread(settings(vllm.url)) as b1, gateway_in_thread(settings(sglang.url)) as b2, \
-                gateway_in_thread(settings(tokenspeed.url)) as b3:
-            yield {Wire.VLLM: b1, Wire.SGLANG: b2, Wire.TOKENSPEED: b3}
+        with gateway_in_thread(settings(vllm.url, mode=MmProcessing.ROUTER)) as b1, \
+                gateway_in_thread(settings(sglang.url, mode=MmProcessing.ROUTER)) as b2, \
+                gateway_in_thread(settings(tokenspeed.url, mode=MmProcessing.ROUTER)) as b3, \
+                gateway_in_thread(settings(refs.url, model=REFS_MODEL)) as b4:
+            wait_for(lambda: httpx.get(b4 + "/workers", timeout=5).json()["workers"][0]["labels"].get(
+                "mm_processor") == "inprocess", 30, "mm_processor=inprocess")
+            yield {Wire.VLLM: b1, Wire.SGLANG: b2, Wire.TOKENSPEED: b3, "vllm-refs": b4}
     finally:
         state_module.load_family = real
-        for worker in (vllm, sglang, tokenspeed):
+        for worker in (vllm, sglang, tokenspeed, refs):
             worker.stop()
 
 
@@ -171,3 +180,13 @@ def test_a_tokenspeed_worker_passes_the_matrix_check_for_audio(with_audio: dict[
     resp = post(with_audio[Wire.TOKENSPEED], chat({"type": "input_audio", "input_audio": {"data": WAV}}))
     assert resp.headers.get("X-SMG-Error-Code") != "multimodal_not_supported", resp.text
     assert "capability matrix" not in resp.text
+
+
+def test_audio_to_a_vllm_worker_goes_as_a_media_reference_on_the_worker_path(with_audio: dict[Any, str]) -> None:
+    """``--mm-processing auto`` with a worker that processes references: the audio part is forwardable, so it
+    takes the worker path, whose own checks answer (here the one anchor check: the stand-in's anchor is not in
+    Qwen2.5-VL's template), not the router-side matrix refusal."""
+    body = {**chat({"type": "input_audio", "input_audio": {"data": WAV}}), "model": REFS_MODEL}
+    resp = post(with_audio["vllm-refs"], body)
+    assert resp.status_code == 400 and resp.headers["X-SMG-Error-Code"] == "media_count_mismatch", resp.text
+    assert "0 audio anchors for 1 audios" in resp.json()["error"]["message"]

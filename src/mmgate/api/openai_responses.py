@@ -154,7 +154,7 @@ class ResponsesRequest(msgspec.Struct, frozen=True):
 #: item roles (openai-python ``EasyInputMessageParam.role``)
 ROLES = ("user", "assistant", "system", "developer")
 FIELDS = frozenset(ResponsesRequest.__struct_fields__)
-PART_TYPES = ("input_text", "input_image", "output_text")
+PART_TYPES = ("input_text", "input_image", "input_audio", "output_text")
 #: a caller's field name is quoted in a refusal only when it looks like one (never a payload)
 _FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]{0,63}")
 #: ``metadata`` bounds (OpenAI's ``Metadata``: up to 16 key-value pairs, keys up to 64 characters, string values

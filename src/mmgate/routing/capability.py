@@ -5,8 +5,8 @@ In: the parsed chat request, the served model's family and the worker registry; 
 ``multimodal_not_supported`` (400) naming the first content part of the refused kind.
 
 Each content part is one kind of media of the capability matrix
-(:mod:`mmgate.engines.capabilities`): ``image_url`` image, ``video_url`` video, ``input_audio``
-audio, ``image_embeds`` image embeds.  A kind the model's family does not take at all is left to
+(:mod:`mmgate.engines.capabilities`): ``image_url`` image, ``video_url`` video, ``input_audio`` and
+``audio_url`` audio, ``image_embeds`` image embeds.  A kind the model's family does not take at all is left to
 planning, which refuses it with its own message (``mmgate.pipeline.planning``); every other kind must be
 taken by some registered worker: its wire's row of the matrix and its model
 (:meth:`mmgate.routing.workers.WorkerRegistry.check_kinds`).  Image embeds have no pipeline stage
@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from mmgate.request.protocol import (
     AudioPart,
+    AudioURLPart,
     ChatCompletionRequest,
     ImageEmbedsPart,
     ImagePart,
@@ -38,7 +39,8 @@ if TYPE_CHECKING:
     from mmgate.routing.context import DispatchContext
 
 _PART_KIND: dict[type, MediaKind] = {ImagePart: MediaKind.IMAGE, VideoPart: MediaKind.VIDEO,
-                                     AudioPart: MediaKind.AUDIO, ImageEmbedsPart: MediaKind.IMAGE_EMBEDS}
+                                     AudioPart: MediaKind.AUDIO, AudioURLPart: MediaKind.AUDIO,
+                                     ImageEmbedsPart: MediaKind.IMAGE_EMBEDS}
 
 
 def media_kinds(req: ChatCompletionRequest) -> dict[MediaKind, str]:
