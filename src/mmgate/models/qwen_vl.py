@@ -118,7 +118,7 @@ class QwenVLImage:
 
     modality = Modality.IMAGE
     device_normalizable = True  # a worker may normalize the raw uint8 pixels itself (float32, as the reference)
-    specs = IMAGE_SPECS
+    specs: tuple[TensorSpec, ...] = IMAGE_SPECS
 
     def __init__(self, model_type: str, params: QwenVLImageParams, image_token_id: int,
                  backend: ImageBackend) -> None:
