@@ -50,6 +50,8 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from mmgate.errors import ErrorCode, GatewayError
+
 Backend = Literal["auto", "torch", "numpy"]
 
 #: the floor ``torch.clamp(mel_spec, min=1e-10)`` puts on the mel power before ``log10``
@@ -90,6 +92,13 @@ class WhisperMelParams:
         """Samples the reference's buffer holds for a clip of ``num_samples`` processed alone."""
         n = max(num_samples, self.min_length)
         return self.n_samples if self.pad_to_max_length else n
+
+    @property
+    def min_samples(self) -> int:
+        """Fewest samples the reference can frame: without padding, ``torch.stft(center=True)``'s reflect
+        pad needs more than ``n_fft // 2`` samples (Qwen3-Omni raises on a shorter clip); 1 otherwise."""
+        padded_min = self.n_samples if self.pad_to_max_length else self.min_length
+        return 1 if padded_min > self.n_fft // 2 else self.n_fft // 2 + 1
 
     def valid_frames(self, num_samples: int) -> int:
         """Frames the reference's mask marks valid (``attention_mask[:, ::hop]``, the last dropped
@@ -232,9 +241,16 @@ def log_mel_features(samples: npt.NDArray[np.float32], params: WhisperMelParams,
 
     Returns:
         ``input_features`` float32 ``[feature_size, valid_frames]``; ``valid_frames`` = the mask's sum.
+
+    Raises:
+        GatewayError(AUDIO_TOO_SHORT): fewer than ``params.min_samples`` samples (the reference fails there).
     """
-    if samples.ndim != 1 or len(samples) == 0:
-        raise ValueError("samples must be a non-empty 1-D array")
+    if samples.ndim != 1:
+        raise ValueError("samples must be a 1-D array")
+    if len(samples) < params.min_samples:
+        raise GatewayError(ErrorCode.AUDIO_TOO_SHORT,
+                           f"audio is too short: {len(samples)} samples at {params.sampling_rate} Hz, the model "
+                           f"needs at least {params.min_samples}")
     samples = np.ascontiguousarray(samples, dtype=np.float32)
     buf = _buffer(samples, params)
     use_torch = backend == "torch" or (backend == "auto" and torch_available())
