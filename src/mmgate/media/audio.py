@@ -123,7 +123,7 @@ def _decode_planar(container: Any, stream: Any, max_samples: int, max_duration_s
 
     rate = int(stream.rate)
     resampler = av.AudioResampler(format="fltp", rate=rate)
-    chunks: list[npt.NDArray[np.float32]] = []
+    chunks: list[npt.NDArray[Any]] = []  # float32 [channels, k] (fltp)
     total = 0
     try:
         for frame in container.decode(stream):
@@ -142,7 +142,7 @@ def _decode_planar(container: Any, stream: Any, max_samples: int, max_duration_s
         raise _too_long(total / rate, max_duration_s)
     if not chunks or total == 0:
         raise GatewayError(ErrorCode.AUDIO_EMPTY, "audio stream holds no samples")
-    return np.concatenate(chunks, axis=-1)
+    return np.concatenate(chunks, axis=-1).astype(np.float32, copy=False)
 
 
 def decode_audio(data: bytes, target_rate: int, *, max_input_bytes: int, max_duration_s: float,
