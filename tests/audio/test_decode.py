@@ -1,0 +1,94 @@
+"""media/audio.py: bytes -> mono float32 at the extractor's rate, as vLLM's loader gives them; the refusals.
+
+The expected waveforms come from vLLM's loader (``tests/audio/references.py``: its PyAV lines and
+the real ``librosa.resample``); a sample of the container x rate x channel matrix runs here, the
+whole matrix in ``test_audio_parity_slow.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mmgate.errors import ErrorCode, GatewayError
+from mmgate.media.audio import decode_audio, resampled_length
+from tests.audio.clips import ClipSpec, encode, make_clip, video_only_mp4, wav_header_only, waveform
+from tests.audio.references import transformers_load, vllm_load
+
+LIMITS = {"max_input_bytes": 64 << 20, "max_duration_s": 600.0, "timeout_s": 30.0}
+
+SAMPLE = [
+    ClipSpec("wav", 16000, 1, 1.0),
+    ClipSpec("flac", 44100, 2, 0.7),
+    ClipSpec("mp3", 22050, 1, 1.2),
+    ClipSpec("ogg_opus", 48000, 2, 0.5),
+    ClipSpec("m4a_aac", 8000, 1, 0.9),
+    ClipSpec("webm_opus", 16000, 2, 0.4),
+]
+
+
+@pytest.mark.parametrize("spec", SAMPLE, ids=lambda s: s.id)
+def test_waveform_equals_vllm_loader(spec: ClipSpec) -> None:
+    data = make_clip(spec)
+    got = decode_audio(data, 16000, **LIMITS)
+    want = vllm_load(data, 16000)
+    assert got.samples.dtype == np.float32 and got.samples.ndim == 1
+    assert got.sampling_rate == 16000 and got.channels == spec.channels
+    np.testing.assert_array_equal(got.samples, want)
+    assert got.num_samples == resampled_length(round(got.duration_s * got.source_rate), got.source_rate, 16000)
+
+
+def test_wav_at_the_target_rate_is_the_pcm_over_32768() -> None:
+    spec = ClipSpec("wav", 16000, 1, 0.25)
+    pcm = (waveform(spec) * 32767).astype(np.int16)
+    got = decode_audio(make_clip(spec), 16000, **LIMITS)
+    np.testing.assert_array_equal(got.samples, pcm[0].astype(np.float32) / 32768)
+    assert (got.source_rate, got.duration_s) == (16000, 0.25)
+
+
+def test_stereo_is_the_float32_mean_of_its_channels() -> None:
+    spec = ClipSpec("wav", 16000, 2, 0.2)
+    pcm = (waveform(spec) * 32767).astype(np.int16).astype(np.float32) / 32768
+    got = decode_audio(make_clip(spec), 16000, **LIMITS)
+    np.testing.assert_array_equal(got.samples, pcm.mean(axis=0))
+
+
+@pytest.mark.parametrize("spec", [ClipSpec("wav", 44100, 2, 0.6), ClipSpec("flac", 22050, 1, 0.6)], ids=lambda s: s.id)
+def test_lossless_files_equal_transformers_soundfile_loader(spec: ClipSpec) -> None:
+    """Where both decoders are lossless and both resample with soxr_hq, transformers' load_audio agrees exactly."""
+    data = make_clip(spec)
+    np.testing.assert_array_equal(decode_audio(data, 16000, **LIMITS).samples, transformers_load(data, 16000))
+
+
+def _code(data: bytes, **limits: float) -> ErrorCode:
+    with pytest.raises(GatewayError) as info:
+        decode_audio(data, 16000, **{**LIMITS, **limits})
+    return info.value.code
+
+
+def test_refusals_have_stable_codes() -> None:
+    clip = make_clip(ClipSpec("wav", 16000, 1, 2.0))
+    assert _code(b"definitely not audio" * 10) is ErrorCode.MEDIA_DECODE_FAILED
+    assert _code(b"") is ErrorCode.MEDIA_DECODE_FAILED
+    assert _code(clip[: len(clip) // 3][:40]) is ErrorCode.MEDIA_DECODE_FAILED  # a header cut short
+    assert _code(video_only_mp4()) is ErrorCode.AUDIO_NO_STREAM
+    assert _code(wav_header_only()) is ErrorCode.AUDIO_EMPTY
+    assert _code(clip, max_duration_s=1.5) is ErrorCode.AUDIO_TOO_LONG
+    assert _code(clip, max_input_bytes=len(clip) - 1) is ErrorCode.MEDIA_TOO_LARGE
+    assert _code(clip, timeout_s=0.0) is ErrorCode.MEDIA_TOO_LARGE
+
+
+def test_the_cap_is_enforced_on_decoded_samples_within_the_header_slack() -> None:
+    """A 3 s clip under a 2.5 s cap passes the header check (1 s of slack for header rounding) and is stopped
+    by the count of decoded samples."""
+    data = encode(waveform(ClipSpec("mp3", 16000, 1, 3.0)), "mp3", 16000)
+    assert _code(data, max_duration_s=2.5) is ErrorCode.AUDIO_TOO_LONG
+    assert decode_audio(data, 16000, **{**LIMITS, "max_duration_s": 3.5}).duration_s >= 3.0
+
+
+def test_refusal_statuses_are_caller_errors() -> None:
+    from mmgate.errors import ERROR_TABLE
+
+    for code in (ErrorCode.AUDIO_NO_STREAM, ErrorCode.AUDIO_EMPTY, ErrorCode.AUDIO_TOO_LONG):
+        assert ERROR_TABLE[code].status == 400
+    assert ERROR_TABLE[ErrorCode.MEDIA_TOO_LARGE].status == 413
