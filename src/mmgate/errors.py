@@ -45,9 +45,6 @@ class ErrorCode(StrEnum):
     MEDIA_HOST_NOT_ALLOWED = "media_host_not_allowed"
     MEDIA_DECODE_FAILED = "media_decode_failed"
     MEDIA_TOO_LARGE = "media_too_large"
-    AUDIO_NO_STREAM = "audio_no_stream"  # the container decodes but holds no audio stream
-    AUDIO_EMPTY = "audio_empty"  # an audio stream that decodes to zero samples
-    AUDIO_TOO_LONG = "audio_too_long"  # longer than the audio duration cap
     AUDIO_TOO_SHORT = "audio_too_short"  # fewer samples than the model's feature extractor can frame
     MEDIA_REF_TOO_LARGE = "media_ref_too_large"  # an inline data: URL forwarded to a worker exceeds the byte cap
     IMAGE_ASPECT_RATIO_INVALID = "image_aspect_ratio_invalid"
@@ -115,9 +112,6 @@ ERROR_TABLE: dict[ErrorCode, ErrorSpec] = {
     ErrorCode.MEDIA_HOST_NOT_ALLOWED: ErrorSpec(400, False, _INVALID),
     ErrorCode.MEDIA_DECODE_FAILED: ErrorSpec(400, False, _INVALID),
     ErrorCode.MEDIA_TOO_LARGE: ErrorSpec(413, False, _INVALID),
-    ErrorCode.AUDIO_NO_STREAM: ErrorSpec(400, False, _INVALID),
-    ErrorCode.AUDIO_EMPTY: ErrorSpec(400, False, _INVALID),
-    ErrorCode.AUDIO_TOO_LONG: ErrorSpec(400, False, _INVALID),
     ErrorCode.AUDIO_TOO_SHORT: ErrorSpec(400, False, _INVALID),
     ErrorCode.MEDIA_REF_TOO_LARGE: ErrorSpec(400, False, _INVALID),
     ErrorCode.IMAGE_ASPECT_RATIO_INVALID: ErrorSpec(400, False, _INVALID),

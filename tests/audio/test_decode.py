@@ -33,7 +33,7 @@ def test_waveform_equals_vllm_loader(spec: ClipSpec) -> None:
     got = decode_audio(data, 16000, **LIMITS)
     want = vllm_load(data, 16000)
     assert got.samples.dtype == np.float32 and got.samples.ndim == 1
-    assert got.sampling_rate == 16000 and got.channels == spec.channels
+    assert got.sampling_rate == 16000 and got.source_channels == spec.channels
     np.testing.assert_array_equal(got.samples, want)
     assert got.num_samples == resampled_length(round(got.duration_s * got.source_rate), got.source_rate, 16000)
 
@@ -68,14 +68,14 @@ def _code(data: bytes, **limits: float) -> ErrorCode:
 
 def test_refusals_have_stable_codes() -> None:
     clip = make_clip(ClipSpec("wav", 16000, 1, 2.0))
-    assert _code(b"definitely not audio" * 10) is ErrorCode.MEDIA_DECODE_FAILED
-    assert _code(b"") is ErrorCode.MEDIA_DECODE_FAILED
-    assert _code(clip[: len(clip) // 3][:40]) is ErrorCode.MEDIA_DECODE_FAILED  # a header cut short
+    assert _code(b"definitely not audio" * 10) is ErrorCode.AUDIO_DECODE_FAILED
+    assert _code(b"") is ErrorCode.AUDIO_DECODE_FAILED
+    assert _code(clip[: len(clip) // 3][:40]) is ErrorCode.AUDIO_DECODE_FAILED  # a header cut short
     assert _code(video_only_mp4()) is ErrorCode.AUDIO_NO_STREAM
     assert _code(wav_header_only()) is ErrorCode.AUDIO_EMPTY
     assert _code(clip, max_duration_s=1.5) is ErrorCode.AUDIO_TOO_LONG
     assert _code(clip, max_input_bytes=len(clip) - 1) is ErrorCode.MEDIA_TOO_LARGE
-    assert _code(clip, timeout_s=0.0) is ErrorCode.MEDIA_TOO_LARGE
+    assert _code(clip, timeout_s=0.0) is ErrorCode.AUDIO_DECODE_TIMEOUT
 
 
 def test_the_cap_is_enforced_on_decoded_samples_within_the_header_slack() -> None:
@@ -89,6 +89,8 @@ def test_the_cap_is_enforced_on_decoded_samples_within_the_header_slack() -> Non
 def test_refusal_statuses_are_caller_errors() -> None:
     from mmgate.errors import ERROR_TABLE
 
-    for code in (ErrorCode.AUDIO_NO_STREAM, ErrorCode.AUDIO_EMPTY, ErrorCode.AUDIO_TOO_LONG):
+    for code in (ErrorCode.AUDIO_DECODE_FAILED, ErrorCode.AUDIO_NO_STREAM, ErrorCode.AUDIO_EMPTY,
+                 ErrorCode.AUDIO_TOO_SHORT):
         assert ERROR_TABLE[code].status == 400
-    assert ERROR_TABLE[ErrorCode.MEDIA_TOO_LARGE].status == 413
+    for code in (ErrorCode.MEDIA_TOO_LARGE, ErrorCode.AUDIO_TOO_LONG, ErrorCode.AUDIO_DECODE_TIMEOUT):
+        assert ERROR_TABLE[code].status == 413  # as video's size, pixel allowance and deadline

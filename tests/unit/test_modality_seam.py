@@ -118,7 +118,7 @@ def test_input_audio_becomes_a_data_url_of_its_container() -> None:
 def test_the_audio_error_codes_are_stable_caller_errors() -> None:
     codes = {c.value: ERROR_TABLE[c].status for c in ErrorCode if c.value.startswith("audio_")}
     assert codes == {"audio_decode_failed": 400, "audio_no_stream": 400, "audio_empty": 400,
-                     "audio_too_long": 413, "audio_decode_timeout": 413}
+                     "audio_too_long": 413, "audio_decode_timeout": 413, "audio_too_short": 400}
 
 
 def test_the_audio_source_decodes_each_distinct_clip_once_at_the_processors_rate() -> None:

@@ -36,13 +36,14 @@ from __future__ import annotations
 import io
 import math
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from mmgate.errors import ErrorCode, GatewayError
+from mmgate.media.hashing import content_hash
+from mmgate.types import DecodedAudio
 
 #: demuxer names accepted (FFmpeg ``format_whitelist``): wav, flac, mp3, ogg (vorbis/opus),
 #: mov/mp4/m4a (aac), matroska/webm (opus/vorbis), raw ADTS aac, aiff, w64
@@ -50,21 +51,6 @@ ALLOWED_DEMUXERS = "wav,w64,flac,mp3,ogg,mov,mp4,m4a,3gp,3g2,mj2,matroska,webm,a
 _CONTAINER_OPTIONS = {"format_whitelist": ALLOWED_DEMUXERS, "protocol_whitelist": "none"}
 #: librosa.resample's default ``res_type`` (librosa >= 0.10), which vLLM's AudioResampler uses
 RESAMPLE_QUALITY = "soxr_hq"
-
-
-@dataclass(frozen=True, slots=True)
-class DecodedAudio:
-    """One clip, mono, at the target rate."""
-
-    samples: npt.NDArray[np.float32]  # [n], C-contiguous, at ``sampling_rate``
-    sampling_rate: int  # Hz of ``samples`` (the feature extractor's rate)
-    source_rate: int  # Hz of the stream as decoded
-    channels: int  # channels of the stream before the downmix
-    duration_s: float  # source samples / source_rate
-
-    @property
-    def num_samples(self) -> int:
-        return int(self.samples.shape[0])
 
 
 def resampled_length(num_samples: int, source_rate: float, target_rate: float) -> int:
@@ -90,7 +76,7 @@ def resample(samples: npt.NDArray[np.float32], source_rate: float, target_rate: 
 
 
 def _failed(why: str) -> GatewayError:
-    return GatewayError(ErrorCode.MEDIA_DECODE_FAILED, f"audio could not be decoded ({why})")
+    return GatewayError(ErrorCode.AUDIO_DECODE_FAILED, f"audio could not be decoded ({why})")
 
 
 class _Deadline:
@@ -100,7 +86,7 @@ class _Deadline:
 
     def check(self) -> None:
         if time.monotonic() > self.at:
-            raise GatewayError(ErrorCode.MEDIA_TOO_LARGE, f"audio decoding exceeded the limit of {self.timeout_s:g} s")
+            raise GatewayError(ErrorCode.AUDIO_DECODE_TIMEOUT, f"audio decoding exceeded the limit of {self.timeout_s:g} s")
 
 
 def _too_long(seconds: float, cap: float) -> GatewayError:
@@ -160,8 +146,9 @@ def decode_audio(data: bytes, target_rate: int, *, max_input_bytes: int, max_dur
         The clip; ``samples`` float32 ``[resampled_length(n, source_rate, target_rate)]``.
 
     Raises:
-        GatewayError(MEDIA_TOO_LARGE): over ``max_input_bytes`` (413), or past the deadline.
-        GatewayError(MEDIA_DECODE_FAILED): not a supported container, or a corrupt stream.
+        GatewayError(MEDIA_TOO_LARGE): over ``max_input_bytes`` (413).
+        GatewayError(AUDIO_DECODE_TIMEOUT): decoding ran past ``timeout_s`` (413).
+        GatewayError(AUDIO_DECODE_FAILED): not a supported container, or a corrupt stream.
         GatewayError(AUDIO_NO_STREAM): a container without an audio stream.
         GatewayError(AUDIO_EMPTY): an audio stream that decodes to no samples.
         GatewayError(AUDIO_TOO_LONG): longer than ``max_duration_s``.
@@ -200,5 +187,5 @@ def decode_audio(data: bytes, target_rate: int, *, max_input_bytes: int, max_dur
     mono = np.ascontiguousarray(mono, dtype=np.float32)
     deadline.check()
     samples = resample(mono, rate, target_rate)
-    return DecodedAudio(samples=samples, sampling_rate=int(target_rate), source_rate=rate, channels=channels,
-                        duration_s=n / rate)
+    return DecodedAudio(samples=samples, sampling_rate=int(target_rate), source_rate=rate, source_channels=channels,
+                        content_hash=content_hash(data), num_bytes=len(data))

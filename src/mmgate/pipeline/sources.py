@@ -28,7 +28,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
-from mmgate.config.settings import Settings
+from mmgate.config.settings import AudioSettings, Settings
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.fetch import MediaFetcher
 from mmgate.media.image import decode_image
@@ -232,12 +232,17 @@ def default_audio_decoder() -> AudioDecoder:
         GatewayError(MULTIMODAL_NOT_SUPPORTED): the decoder is not available in this install.
     """
     try:
-        from mmgate.media.audio import decode_audio  # type: ignore[import-not-found, unused-ignore]
+        from mmgate.media.audio import decode_audio
     except ImportError:
         raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED,
                            "audio input needs the audio decoder (mmgate.media.audio, PyAV)") from None
-    decoder: AudioDecoder = decode_audio
-    return decoder
+
+    def decode(data: bytes, target_rate: int, limits: AudioSettings) -> DecodedAudio:
+        # the byte cap (--audio-max-input-bytes) was applied while fetching: no second cap here
+        return decode_audio(data, target_rate, max_input_bytes=len(data), max_duration_s=limits.max_duration_s,
+                            timeout_s=limits.decode_timeout_s)
+
+    return decode
 
 
 class AudioSource:
