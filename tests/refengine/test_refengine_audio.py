@@ -7,13 +7,16 @@ code) for generated waveforms (and an image for the Omni models): the expanded `
 ``assemble_tokenspeed_with_options`` and TokenSpeed's ``qwen3_audio.py`` carry), the image as its
 patch rows and grid.  It travels over real gRPC on loopback to an engine started in process with
 ``--record-dir``; the recording is what the model's forward received, compared bit for bit with the
-processor's tensors.  Also: the audio modality advertised per model, an smg-shaped bfloat16 item
+processor's tensors; and the streamed greedy ids equal transformers' own ``model.generate`` on the
+processor's whole output (Qwen2.5-Omni's clips padded to 30000 frames included) with the same
+seeded weights, so the engine feeds the model exactly what its processor would.  Also: the audio modality advertised per model, an smg-shaped bfloat16 item
 (``[1, mel, max_frames]`` + mask), and the vLLM wire's refusal of a preprocessed audio batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 
 import grpc
@@ -24,6 +27,7 @@ from smg_grpc_proto.generated import common_pb2, tokenspeed_scheduler_pb2_grpc, 
 from smg_grpc_proto.generated import tokenspeed_scheduler_pb2 as pb
 
 from mmgate.engines.base import Wire
+from mmgate.refengine.bundle import LoadedModel, load_model
 from mmgate.refengine.config import EngineConfig
 from mmgate.refengine.server import RunningEngine, start_engine
 from mmgate.transport.inline import to_tensor_data
@@ -90,8 +94,25 @@ def image_item(pixel_values: np.ndarray, grid: np.ndarray, run: tuple[int, int],
 def generate_request(request_id: str, ids: list[int], items: list[pb.MultimodalItem]) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         request_id=request_id, tokenized=pb.TokenizedInput(input_ids=ids), stream=True,
-        sampling_params=pb.SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True),
+        sampling_params=pb.SamplingParams(temperature=0.0, max_new_tokens=STEPS, ignore_eos=True),
         mm_inputs=pb.MultimodalInputs(items=items))
+
+
+STEPS = 4
+
+
+@cache
+def reference_model(name: str) -> LoadedModel:
+    """The engine's model rebuilt in process: the same seed gives the same weights."""
+    return load_model(EngineConfig(model=require_bundle(name), port=0))
+
+
+def transformers_greedy(name: str, out: dict[str, np.ndarray]) -> list[int]:
+    """``model.generate`` on the processor's whole output (greedy, :data:`STEPS` tokens)."""
+    inputs = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in out.items()}
+    with torch.inference_mode():
+        ids = reference_model(name).model.generate(**inputs, max_new_tokens=STEPS, do_sample=False)
+    return ids[0, inputs["input_ids"].shape[1]:].tolist()
 
 
 class Engines:
@@ -170,7 +191,7 @@ def test_omni_thinker_takes_two_clips_and_an_image_as_the_processor_made_them(en
 
     tokens = engines.generate(name, generate_request("omni", ids, items))
 
-    assert len(tokens) == 4
+    assert tokens == transformers_greedy(name, out)
     got = engines.recorded(name, "omni")
     assert got["input_ids"].tolist() == [ids]
     assert_features_exact(got["input_features"], got["feature_attention_mask"], out["input_features"],
@@ -204,7 +225,7 @@ def test_an_smg_shaped_bfloat16_clip_is_trimmed_to_its_valid_frames(engines: Eng
                                 tensor(np.array([valid], np.int64))},
         placeholders=[pb.PlaceholderRange(offset=run[0], length=run[1])])
 
-    assert len(engines.generate(QWEN3_OMNI, generate_request("bf16", ids, [item]))) == 4
+    assert len(engines.generate(QWEN3_OMNI, generate_request("bf16", ids, [item]))) == STEPS
 
     got = engines.recorded(QWEN3_OMNI, "bf16")
     want = torch.from_numpy(single["input_features"][..., :valid]).to(torch.bfloat16).float().numpy()
@@ -230,7 +251,7 @@ def test_qwen3_asr_takes_the_clip_as_its_feature_extractor_pads_it(engines: Engi
     tokens = engines.generate(QWEN3_ASR, generate_request(
         "asr", ids, [audio_item(out["input_features"][0], valid, run, audio_token, "asr")]))
 
-    assert len(tokens) == 4
+    assert tokens == transformers_greedy(QWEN3_ASR, out)
     got = engines.recorded(QWEN3_ASR, "asr")
     assert got["input_ids"].tolist() == [ids]
     assert got["input_features"].tobytes() == np.ascontiguousarray(out["input_features"], np.float32).tobytes()
