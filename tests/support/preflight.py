@@ -40,6 +40,7 @@ REQUIRED_BUNDLES = (
     "Qwen--Qwen3-VL-2B-Instruct",
     "Qwen--Qwen2.5-Omni-7B",
     "Qwen--Qwen3-Omni-30B-A3B-Instruct",
+    "Qwen--Qwen3-ASR-0.6B",
     "google--gemma-3-4b-it",
     "llava-hf--llava-1.5-7b-hf",
     "llava-hf--llava-v1.6-mistral-7b-hf",

@@ -60,6 +60,11 @@ DEFAULT_ENCODER_INPUT_KEY = "pixel_values"
 VIDEO_ENCODER_INPUT_KEY = "pixel_values_videos"
 #: the forward kwarg of an audio encoder input (Whisper-style towers) when a wire names none
 AUDIO_ENCODER_INPUT_KEY = "input_features"
+#: TokenSpeed's (and smg's) names of an AUDIO item's side tensors (smg ``qwen3_omni.rs`` / ``qwen3_asr.rs``
+#: ``encoder_field_layouts_for(Modality::Audio)``; TokenSpeed ``qwen3_audio.py`` reads them); an audio
+#: :class:`MediaBatch` carries its per-frame mask under ``AUDIO_MASK``
+AUDIO_MASK = "feature_attention_mask"
+AUDIO_LENGTHS = "audio_feature_lengths"
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,7 +280,7 @@ def audio_kwargs(batch: MediaBatch, loaded: LoadedModel) -> dict[str, torch.Tens
 
     In: ``batch.tensors`` holds the clips' features ``[clips, mel, frames]`` (each clip's valid frames,
     zero-padded to the longest) and their per-frame mask ``[clips, frames]`` under the wire's name
-    (:data:`mmgate.refengine.tokenspeed_inputs.AUDIO_MASK`).  Out: the features with the frame axis
+    (:data:`AUDIO_MASK`).  Out: the features with the frame axis
     zero-padded to ``facts.audio_frame_multiple`` (Qwen3-ASR: ``Qwen3ASRFeatureExtractor`` pads to a
     multiple of ``2 * n_window``) and the mask, padded alike, under the row's ``mask_kwarg`` in its
     ``mask_dtype`` (transformers 5.24: ``Qwen2_5OmniProcessor`` / ``Qwen3OmniMoeProcessor``
@@ -288,8 +293,6 @@ def audio_kwargs(batch: MediaBatch, loaded: LoadedModel) -> dict[str, torch.Tens
         GatewayError(MULTIMODAL_NOT_SUPPORTED): the model takes no audio.
         GatewayError(INVALID_REQUEST): features without a mask, or a mask of another frame count.
     """
-    from mmgate.refengine.tokenspeed_inputs import AUDIO_MASK
-
     facts, spec = loaded.facts, loaded.family.audio
     if spec is None or not facts.supports_audio:
         raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED, f"model {facts.model_type!r} takes no audio")

@@ -49,7 +49,7 @@ from smg_grpc_proto.generated import (
 
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.refengine.device_normalize import DeviceNormalizer
-from mmgate.refengine.mm_inputs import MediaBatch, encoder_input_kwarg, finish_tensors
+from mmgate.refengine.mm_inputs import AUDIO_LENGTHS, AUDIO_MASK, MediaBatch, encoder_input_kwarg, finish_tensors
 from mmgate.refengine.tensors import decode_tensor
 from mmgate.types import Modality
 
@@ -102,12 +102,6 @@ def _check_side_tensors(modality: Modality, names: set[str]) -> None:
         raise _invalid("VIDEO MultimodalItem must carry video_grid_thw")
     if modality is Modality.AUDIO and (image or video):
         raise _invalid("AUDIO MultimodalItem must not carry image/video grid tensors")
-
-
-#: TokenSpeed's (and smg's) names of an AUDIO item's side tensors (``qwen3_omni.rs`` / ``qwen3_asr.rs``
-#: ``encoder_field_layouts_for(Modality::Audio)``; ``qwen3_audio.py`` reads them)
-AUDIO_MASK = "feature_attention_mask"
-AUDIO_LENGTHS = "audio_feature_lengths"
 
 
 def _audio_length(tensors: dict[str, torch.Tensor], frames: int) -> int:
