@@ -9,8 +9,9 @@ patch rows and grid.  It travels over real gRPC on loopback to an engine started
 ``--record-dir``; the recording is what the model's forward received, compared bit for bit with the
 processor's tensors; and the streamed greedy ids equal transformers' own ``model.generate`` on the
 processor's whole output (Qwen2.5-Omni's clips padded to 30000 frames included) with the same
-seeded weights, so the engine feeds the model exactly what its processor would.  Also: the audio modality advertised per model, an smg-shaped bfloat16 item
-(``[1, mel, max_frames]`` + mask), and the vLLM wire's refusal of a preprocessed audio batch.
+seeded weights, so the engine feeds the model exactly what its processor would.  Also: the audio
+modality advertised per model, an smg-shaped bfloat16 item (``[1, mel, max_frames]`` + mask), an
+image to the audio-only model, and the vLLM wire's refusal of a preprocessed audio batch.
 """
 
 from __future__ import annotations
