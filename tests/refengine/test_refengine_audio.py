@@ -301,3 +301,54 @@ def test_the_vllm_wire_refuses_a_preprocessed_audio_batch() -> None:
         assert "no preprocessed audio" in (err.value.details() or "")
     finally:
         engine.stop(grace=0)
+
+
+def single_clip_request(name: str, request_id: str, reverse: bool = False) -> pb.GenerateRequest:
+    """One clip (its frames reversed in time with ``reverse``), the first token's logprob asked for."""
+    processor = processor_for(require_bundle(name))
+    content = [{"type": "audio"}] + ([] if name == QWEN3_ASR else [{"type": "text", "text": "What is said?"}])
+    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         tokenize=False)
+    out = processor(text=[text], audio=[CLIPS[0]], return_tensors="pt")
+    mask = out["feature_attention_mask" if "feature_attention_mask" in out else "input_features_mask"]
+    valid = int(mask.sum())
+    features = out["input_features"][0].numpy()[:, :valid]
+    if reverse:
+        features = features[:, ::-1]
+    ids = [int(t) for t in out["input_ids"][0]]
+    audio_token = processor.tokenizer.convert_tokens_to_ids(processor.audio_token)
+    (run,) = runs(ids, audio_token)
+    request = generate_request(request_id, ids, [audio_item(features, valid, run, audio_token, request_id)])
+    request.return_logprob = True
+    return request
+
+
+@pytest.mark.parametrize("name", [QWEN2_5_OMNI, QWEN3_OMNI, QWEN3_ASR])
+def test_the_output_depends_on_the_audio(engines: Engines, name: str) -> None:
+    def answer(request: pb.GenerateRequest) -> tuple[list[int], list[float]]:
+        responses = list(engines.stub(name).Generate(request, timeout=120))
+        chunks = [r.chunk for r in responses if r.HasField("chunk") and r.chunk.token_ids]
+        return [t for c in chunks for t in c.token_ids], [p for c in chunks for p in c.output_logprobs.token_logprobs]
+
+    forward, backward = answer(single_clip_request(name, "fwd")), answer(single_clip_request(name, "bwd", True))
+    assert len(forward[0]) == len(backward[0]) == STEPS and len(forward[1]) == STEPS
+    assert forward != backward
+
+
+@pytest.mark.parametrize("name", [QWEN2_5_OMNI, QWEN3_OMNI, QWEN3_ASR])
+def test_audio_models_shrink_to_tiny_towers_keeping_ids_and_feature_geometry(name: str) -> None:
+    from transformers import AutoConfig
+
+    from mmgate.refengine.families import AUDIO_HIDDEN, AUDIO_LAYERS, TEXT_HIDDEN, engine_family
+    from mmgate.refengine.shrink import shrink_config
+
+    top = AutoConfig.from_pretrained(require_bundle(name))
+    row = engine_family(str(top.model_type))
+    config = getattr(top, row.sub_config) if row.sub_config else top
+    shrunk = shrink_config(config, row.shrink)  # raises when a kept field changed
+    audio, before = shrunk.audio_config, config.audio_config
+    assert (audio.d_model, audio.encoder_layers, audio.output_dim) == (AUDIO_HIDDEN, AUDIO_LAYERS, TEXT_HIDDEN)
+    assert (audio.num_mel_bins, audio.n_window) == (before.num_mel_bins, before.n_window) == (128, before.n_window)
+    assert shrunk.audio_token_id == config.audio_token_id and shrunk.get_text_config().vocab_size == \
+        config.get_text_config().vocab_size
+    assert shrunk.get_text_config().hidden_size == TEXT_HIDDEN
