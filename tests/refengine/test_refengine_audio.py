@@ -352,3 +352,26 @@ def test_audio_models_shrink_to_tiny_towers_keeping_ids_and_feature_geometry(nam
     assert shrunk.audio_token_id == config.audio_token_id and shrunk.get_text_config().vocab_size == \
         config.get_text_config().vocab_size
     assert shrunk.get_text_config().hidden_size == TEXT_HIDDEN
+
+
+def test_an_encode_worker_refuses_an_audio_item() -> None:
+    """EPD carries images and video only here: the thinkers run their audio tower inside the forward."""
+    from smg_grpc_proto.generated import tokenspeed_encoder_pb2, tokenspeed_encoder_pb2_grpc
+
+    from mmgate.engines.base import Role
+
+    engine = start_engine(EngineConfig(model=require_bundle(QWEN3_ASR), port=0, wire=Wire.TOKENSPEED,
+                                       role=Role.ENCODE))
+    try:
+        clip = single_clip_request(QWEN3_ASR, "encode").mm_inputs.items[0]
+        request = tokenspeed_encoder_pb2.EncodeRequest(
+            request_id="encode", mm_inputs=pb.MultimodalInputs(items=[clip]),
+            items=[tokenspeed_encoder_pb2.EncodeItemAssignment(bootstrap_room=7)])
+        stub = tokenspeed_encoder_pb2_grpc.TokenSpeedEncoderStub(grpc.insecure_channel(engine.address,
+                                                                                       options=_OPTIONS))
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Encode(request, timeout=60)
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "encodes no audio" in (err.value.details() or "")
+    finally:
+        engine.stop(grace=0)
