@@ -20,7 +20,8 @@ Roles, as smg-grpc-servicer 0.14.1 ``tokenspeed/server.py`` mounts them:
     with the tower's error, which the waiting prefill also receives).
 
 Labels: GetModelInfo ``supported_modalities`` (``_static_supported_modalities``: image when the
-model has a vision tower, video too when its config has ``video_token_id``), ``supports_vision``,
+model has a vision tower, video too when its config has ``video_token_id``, audio when it has an
+audio tower and an audio token id), ``supports_vision``,
 ``supports_multimodal``, ``model_dtype`` float32, ``multimodal_encoder_dtype`` the engine's
 ``--advertised-encoder-dtype``; GetServerInfo ``server_args.disaggregation_mode`` ``null`` /
 ``prefill`` / ``decode`` / ``encode``, ``disaggregation_bootstrap_port``,
