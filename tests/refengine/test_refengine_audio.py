@@ -375,3 +375,38 @@ def test_an_encode_worker_refuses_an_audio_item() -> None:
         assert "encodes no audio" in (err.value.details() or "")
     finally:
         engine.stop(grace=0)
+
+
+def _audio_inputs(features: np.ndarray, **side: np.ndarray) -> pb.MultimodalInputs:
+    return pb.MultimodalInputs(items=[pb.MultimodalItem(
+        modality=common_pb2.AUDIO, content_hash=b"x" * 32, encoder_input=tensor(features),
+        model_specific_tensors={k: tensor(v) for k, v in side.items()},
+        placeholders=[pb.PlaceholderRange(offset=1, length=3)])])
+
+
+@pytest.mark.parametrize(("features", "side", "message"), [
+    (np.zeros((2, 128, 40), np.float32), {}, "expected [num_mel_bins, frames] or [1, num_mel_bins, frames]"),
+    (np.zeros((128, 40), np.float32), {"audio_feature_lengths": np.array([41])}, "outside [1, 40]"),
+    (np.zeros((128, 40), np.float32), {"audio_feature_lengths": np.array([0])}, "outside [1, 40]"),
+    (np.zeros((128, 40), np.float32), {"audio_feature_lengths": np.array([3, 4])}, "must hold one value"),
+    (np.zeros((128, 40), np.float32), {"feature_attention_mask": np.ones((1, 39), np.int64)}, "expected [40]"),
+    (np.zeros((128, 40), np.float32), {"feature_attention_mask": np.array([[0] * 5 + [1] * 35])},
+     "right-padded contiguous ones"),
+])
+def test_malformed_audio_items_are_refused(features: np.ndarray, side: dict[str, np.ndarray], message: str) -> None:
+    from mmgate.errors import ErrorCode, GatewayError
+    from mmgate.refengine.tokenspeed_inputs import read_items
+
+    with pytest.raises(GatewayError) as err:
+        read_items(_audio_inputs(features, **side))
+    assert err.value.code is ErrorCode.INVALID_REQUEST and message in err.value.message
+
+
+def test_an_audio_item_without_side_tensors_takes_every_frame() -> None:
+    from mmgate.refengine.tokenspeed_inputs import item_batches, read_items
+
+    features = np.random.default_rng(0).standard_normal((1, 128, 40)).astype(np.float32)
+    (batch,) = item_batches(read_items(_audio_inputs(features)))
+    assert batch.primary == "input_features"
+    assert batch.tensors["input_features"].numpy().tobytes() == features.tobytes()
+    assert batch.tensors["feature_attention_mask"].tolist() == [[1] * 40]
