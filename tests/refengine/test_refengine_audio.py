@@ -410,3 +410,23 @@ def test_an_audio_item_without_side_tensors_takes_every_frame() -> None:
     assert batch.primary == "input_features"
     assert batch.tensors["input_features"].numpy().tobytes() == features.tobytes()
     assert batch.tensors["feature_attention_mask"].tolist() == [[1] * 40]
+
+
+@pytest.mark.parametrize("name", [QWEN2_5_OMNI, QWEN3_OMNI])
+def test_an_omni_thinker_takes_an_image_on_the_vllm_wire(name: str) -> None:
+    """Images (no audio) of an Omni model travel on the vLLM wire as Qwen-VL images do."""
+    from tests.refengine.refengine_support import ImagePrompt, generate_request as vllm_request, image_mm_inputs
+
+    processor = processor_for(require_bundle(name))
+    conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]}]
+    text = processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    out = {k: v.numpy() for k, v in processor(text=[text], images=[random_image(64, 48)], return_tensors="pt").items()}
+    prompt = ImagePrompt([int(t) for t in out["input_ids"][0]], out["pixel_values"], out["image_grid_thw"],
+                         processor.tokenizer.convert_tokens_to_ids(processor.image_token))
+    engine = start_engine(EngineConfig(model=require_bundle(name), port=0))
+    try:
+        (response,) = list(stub_for(engine.address).Generate(
+            vllm_request(prompt.input_ids, image_mm_inputs(prompt), max_tokens=STEPS, ignore_eos=True), timeout=120))
+    finally:
+        engine.stop(grace=0)
+    assert list(response.complete.output_ids) == transformers_greedy(name, out)
