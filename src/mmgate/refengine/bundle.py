@@ -212,7 +212,7 @@ def check_engine_bundle(path: Path) -> None:
 
     A media model of a ``model_type`` neither the gateway's registry nor the engine's
     family table (:data:`~mmgate.refengine.families.ENGINE_FAMILIES`) names
-    (Qwen2.5-Omni's ``thinker_config`` towers, GLM-4V, ...) would load here and then take
+    (GLM-4V, a renamed Omni copy's ``thinker_config`` towers, ...) would load here and then take
     no request anyone can prepare; a text-only bundle passes.  A ``model_type`` of the
     engine's table passes even before a gateway family serves it: its requests can come
     from any client that lays tensors out as vLLM does (the engine's own tests use the
