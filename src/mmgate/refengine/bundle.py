@@ -10,7 +10,9 @@ The model class is the one ``config.architectures`` names (e.g.
 ``LlavaNextForConditionalGeneration``, ``Gemma3ForConditionalGeneration``: the
 same classes ``AutoModelForImageTextToText`` maps their configs to), else
 ``AutoModelForImageTextToText`` for a config with ``vision_config`` and
-``AutoModelForCausalLM`` otherwise.  A bundle with weights is loaded with
+``AutoModelForCausalLM`` otherwise; a family row that names its own class and
+sub-config (Qwen2.5-Omni / Qwen3-Omni: the thinker class on ``thinker_config``;
+Qwen3-ASR) overrides that.  A bundle with weights is loaded with
 ``from_pretrained``; a bundle without is built from ``torch.manual_seed(seed)``
 at the size :mod:`.shrink` gives from the family's row of
 :mod:`.families` (which keeps every token id and the vision geometry), then
@@ -39,7 +41,7 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig, PreTrai
 from mmgate.refengine.config import EngineConfig
 from mmgate.refengine.families import ENGINE_FAMILIES, EngineFamily, engine_family
 from mmgate.refengine.model_fixes import apply_model_fixes
-from mmgate.refengine.shrink import redraw_parameters, shrink_config
+from mmgate.refengine.shrink import redraw_parameters, shrink_config, shrink_spec
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,14 @@ class ModelFacts:
     image_token_id: int | None
     video_token_id: int | None
     random_weights: bool  # no weights in the bundle: shrunken random model
+    audio_token_id: int | None = None
+    supports_audio: bool = False  # the model has an audio tower and an audio token (and its row says how to feed it)
+    audio_frame_multiple: int = 1  # the audio frame axis is padded to a multiple of this (Qwen3-ASR: 2 * n_window)
+
+    @property
+    def takes_media(self) -> bool:
+        """Whether the model takes any multimodal input (a vision or an audio tower)."""
+        return self.supports_vision or self.supports_audio
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,12 +105,18 @@ def has_weights(path: Path) -> bool:
     return any(any(path.glob(pattern)) for pattern in _WEIGHT_GLOBS)
 
 
-def model_class(config: PretrainedConfig) -> type[PreTrainedModel]:
-    """The transformers class for ``config`` (``config.architectures[0]`` first).
+def model_class(config: PretrainedConfig, name: str | None = None) -> type[PreTrainedModel]:
+    """The transformers class for ``config``: ``name`` (the family row's ``model_class``) when given,
+    else ``config.architectures[0]`` first.
 
     Raises:
         ValueError: no class for the architecture and no Auto fallback fits.
     """
+    if name is not None:
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
+            return cls
+        raise ValueError(f"transformers {transformers.__version__} has no model class {name!r}")
     for name in config.architectures or ():
         cls = getattr(transformers, name, None)
         if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
@@ -141,24 +157,36 @@ def _tokenizer_max_length(path: Path) -> int:
     return int(value) if isinstance(value, (int, float)) and 0 < value < 2**31 else 0
 
 
-def read_facts(path: Path, config: PretrainedConfig, served_model_name: str, random_weights: bool) -> ModelFacts:
-    """Collect :class:`ModelFacts` from the bundle's own files (the unshrunken config)."""
+def read_facts(path: Path, config: PretrainedConfig, served_model_name: str, random_weights: bool,
+               model_config: PretrainedConfig | None = None, family: EngineFamily | None = None) -> ModelFacts:
+    """Collect :class:`ModelFacts` from the bundle's own files (the unshrunken config).
+
+    ``model_config``: the config the model is built from when it is not ``config`` (an Omni bundle's
+    ``thinker_config``): token ids, towers and the text config are read there, the model type,
+    architectures and eos ids from ``config``.
+    """
+    top, config = config, model_config if model_config is not None else config
     text = config.get_text_config()
     gen = _generation_config(path)
     # vLLM advertises hf_config.eos_token_id (smg_grpc_servicer/vllm/config_view.py hf_eos_token_ids): the top
     # level first (Gemma 3: [1, 106]; its text config says 1), else the text config's (transformers 5 keeps
     # Qwen-VL's and LLaVA's there only)
-    eos = token_ids(getattr(config, "eos_token_id", None)) or token_ids(getattr(text, "eos_token_id", None))
+    eos = (token_ids(getattr(top, "eos_token_id", None)) or token_ids(getattr(config, "eos_token_id", None))
+           or token_ids(getattr(text, "eos_token_id", None)))
     stop = list(eos)
     for extra in token_ids(gen.eos_token_id if gen else None):
         if extra not in stop:
             stop.append(extra)
     max_len = int(getattr(text, "max_position_embeddings", 0) or 0) or _tokenizer_max_length(path)
+    audio_config = getattr(config, "audio_config", None)
+    audio_token_id = getattr(config, "audio_token_id", None) if audio_config is not None else None
+    audio = family.audio if family is not None else None
+    window = int(getattr(audio_config, "n_window", 0) or 0)
     return ModelFacts(
         model_path=str(path),
         served_model_name=served_model_name,
-        model_type=str(config.model_type),
-        architectures=tuple(config.architectures or ()),
+        model_type=str(top.model_type),
+        architectures=tuple(top.architectures or ()),
         vocab_size=int(text.vocab_size),
         max_context_length=max_len,
         supports_vision=getattr(config, "vision_config", None) is not None,
@@ -173,6 +201,9 @@ def read_facts(path: Path, config: PretrainedConfig, served_model_name: str, ran
         image_token_id=getattr(config, "image_token_id", None),
         video_token_id=getattr(config, "video_token_id", None),
         random_weights=random_weights,
+        audio_token_id=audio_token_id,
+        supports_audio=audio is not None and audio_token_id is not None,
+        audio_frame_multiple=2 * window if audio is not None and audio.window_multiple and window > 0 else 1,
     )
 
 
@@ -181,7 +212,7 @@ def check_engine_bundle(path: Path) -> None:
 
     A media model of a ``model_type`` neither the gateway's registry nor the engine's
     family table (:data:`~mmgate.refengine.families.ENGINE_FAMILIES`) names
-    (Qwen2.5-Omni's ``thinker_config`` towers, GLM-4V, ...) would load here and then take
+    (GLM-4V, a renamed Omni copy's ``thinker_config`` towers, ...) would load here and then take
     no request anyone can prepare; a text-only bundle passes.  A ``model_type`` of the
     engine's table passes even before a gateway family serves it: its requests can come
     from any client that lays tensors out as vLLM does (the engine's own tests use the
@@ -222,11 +253,14 @@ def load_model(config: EngineConfig) -> LoadedModel:
     path = config.model
     check_engine_bundle(path)
     hf_config = AutoConfig.from_pretrained(path)
-    cls = model_class(hf_config)
     family = engine_family(str(hf_config.model_type))
+    # the family's sub-config (an Omni bundle's thinker_config) is the model's own config
+    model_config = getattr(hf_config, family.sub_config) if family.sub_config else hf_config
+    cls = model_class(model_config, family.model_class)
     random_weights = not has_weights(path)
     if random_weights:
-        shrunk = shrink_config(hf_config)
+        shrink_spec(hf_config)  # refuses a media model the table does not name
+        shrunk = shrink_config(model_config, family.shrink)
         torch.manual_seed(config.seed)
         model = cls(shrunk)
         redraw_parameters(model, family.shrink.redraw, config.seed)
@@ -236,7 +270,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     for fix in apply_model_fixes(model):  # a bug of the installed transformers' class (model_fixes.py)
         logger.warning("reference engine: applied fix %s to %s", fix, type(model).__name__)
     model.generation_config = GenerationConfig()
-    facts = read_facts(path, hf_config, config.model_name, random_weights)
+    facts = read_facts(path, hf_config, config.model_name, random_weights, model_config, family)
     params = frozenset(inspect.signature(model.forward).parameters)
     return LoadedModel(model=model, facts=facts, forward_params=params, family=family)
 

@@ -45,8 +45,14 @@ def tower(loaded: LoadedModel, modality: Modality) -> Any:
     """The model's ``get_<modality>_features`` method.
 
     Raises:
-        GatewayError(MULTIMODAL_NOT_SUPPORTED): the model has no tower for ``modality``.
+        GatewayError(MULTIMODAL_NOT_SUPPORTED): the model has no tower for ``modality``, or it is audio.
     """
+    if modality is Modality.AUDIO:
+        # the Omni thinkers take precomputed embeddings (``mm_encoder_outputs``) for images and video only;
+        # their forward always runs the audio tower on ``input_features``
+        raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED,
+                           "the reference engine encodes no audio on an encode worker: send audio items with "
+                           "their features to the prefill")
     method = getattr(loaded.model, f"get_{modality.value}_features", None)
     if method is None or not loaded.facts.supports_vision:
         raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED,

@@ -13,7 +13,13 @@ Stage: engine start-up (read once) and request intake.  In: a config's
     processor builds it (Qwen-VL ``mm_token_type_ids``, Gemma 3 ``token_type_ids``);
   * ``raw_layout`` (:class:`RawLayout`): where the channel axis of a raw uint8
     primary tensor is, for ``--mm-device-do-normalize``; None: the engine does
-    not normalize this family's pixels on device (and does not advertise it).
+    not normalize this family's pixels on device (and does not advertise it);
+  * ``model_class`` / ``sub_config``: the transformers class the engine runs and the
+    sub-config it is built from, where the bundle's ``architectures`` name a larger
+    model (Qwen2.5-Omni / Qwen3-Omni: the thinker of ``thinker_config``, not the
+    talker and code2wav);
+  * ``audio`` (:class:`AudioInputs`): how the forward takes log-mel features (the
+    names and padding the model's processor hands it).
 
 A ``model_type`` not in :data:`ENGINE_FAMILIES` gets :data:`GENERIC`: a text
 model shrinks by :data:`TEXT_ONLY_SHRINK`, and a media model without a row is
@@ -47,6 +53,13 @@ VISION_HIDDEN: Final = 32
 VISION_HEADS: Final = 2
 VISION_INTERMEDIATE: Final = 64
 
+#: audio tower size after shrinking (Whisper-style encoders: head_dim = 32 / 2 = 16)
+AUDIO_LAYERS: Final = 2
+AUDIO_HIDDEN: Final = 32
+AUDIO_HEADS: Final = 2
+AUDIO_FFN: Final = 64
+AUDIO_DOWNSAMPLE: Final = 8  # Qwen3 audio towers' conv channels (480 in the bundles)
+
 #: init std for the random weights (reference checkpoints use 0.02)
 INITIALIZER_RANGE: Final = 0.2
 
@@ -73,6 +86,7 @@ class ShrinkSpec:
 
     text: Mapping[str, int]
     vision: Mapping[str, int] = field(default_factory=lambda: _frozen({}))
+    audio: Mapping[str, int] = field(default_factory=lambda: _frozen({}))  # ``audio_config`` fields (``audio.`` paths)
     rules: tuple[str, ...] = ()
     keep: tuple[str, ...] = ()
     redraw: tuple[str, ...] = ()
@@ -86,6 +100,24 @@ class TokenTypes:
     kwarg: str  # forward keyword, e.g. "mm_token_type_ids"
     image: int | None = 1  # value on image placeholder tokens (config image_token_id)
     video: int | None = None  # value on video placeholder tokens (config video_token_id)
+
+
+@dataclass(frozen=True, slots=True)
+class AudioInputs:
+    """How a model's forward takes log-mel features, as its processor hands them.
+
+    The engine builds ``input_features`` ``[clips, num_mel_bins, frames]`` (each clip's valid
+    frames, zero-padded to the longest) and a per-frame mask ``[clips, frames]`` (1 on valid
+    frames, ``mask_dtype`` as the processor returns it: WhisperFeatureExtractor's int32).
+    ``mask_kwarg``: the mask's forward keyword (Qwen2.5-Omni / Qwen3-Omni ``feature_attention_mask``,
+    Qwen3-ASR ``input_features_mask``).  ``window_multiple``: the frame axis is padded to a
+    multiple of ``2 * audio_config.n_window`` (``Qwen3ASRFeatureExtractor.__call__``; ``Qwen3ASREncoder``
+    refuses any other length).
+    """
+
+    mask_kwarg: str = "feature_attention_mask"
+    mask_dtype: str = "int32"
+    window_multiple: bool = False
 
 
 class RawLayout(StrEnum):
@@ -106,6 +138,11 @@ class EngineFamily:
     #: the model class embeds clip frames as images (InternVL3): a clip's vLLM context ids are read as the
     #: image token and its frames join ``pixel_values`` in prompt order (:mod:`mmgate.refengine.frames_as_images`)
     video_as_images: bool = False
+    #: the transformers class to run (None: ``config.architectures`` / the Auto mapping) and the
+    #: config attribute it is built from (None: the bundle's config itself)
+    model_class: str | None = None
+    sub_config: str | None = None
+    audio: AudioInputs | None = None  # None: the model takes no audio
 
 
 # ---- the sizes, as the field names of each config class -----------------------------------
@@ -223,6 +260,40 @@ INTERNVL_SHRINK: Final = ShrinkSpec(
           "vision.image_size", "vision.patch_size", "vision.num_channels") + _TEXT_IDS,
 )
 
+# ---- audio models (the thinker of Qwen2.5-Omni / Qwen3-Omni, Qwen3-ASR) ---------------------------
+
+#: Whisper-style audio encoders: transformers 5.24 Qwen2_5OmniAudioEncoderConfig, Qwen3OmniMoeAudioEncoderConfig,
+#: Qwen3ASREncoderConfig; output_dim = the projection into the text width
+_AUDIO = _frozen({"encoder_layers": AUDIO_LAYERS, "d_model": AUDIO_HIDDEN, "encoder_attention_heads": AUDIO_HEADS,
+                  "encoder_ffn_dim": AUDIO_FFN, "output_dim": TEXT_HIDDEN, "downsample_hidden_size": AUDIO_DOWNSAMPLE,
+                  "num_key_value_heads": AUDIO_HEADS})
+#: the feature geometry a gateway observes (mel bins, chunking into 2 * n_window frames) and the tower's
+#: attention windows / position table; n_window_infer and conv_chunksize change no shape but the numbers
+_AUDIO_KEEP = ("audio.num_mel_bins", "audio.n_window", "audio.n_window_infer", "audio.conv_chunksize",
+               "audio.max_source_positions", "audio.max_position_embeddings")
+_OMNI_IDS = ("audio_token_id", "audio_start_token_id", "audio_end_token_id", "position_id_per_seconds",
+             "seconds_per_chunk") + _QWEN_IDS
+
+#: Qwen2.5-Omni thinker: a Qwen2.5-VL tower and decoder (M-RoPE [16, 24, 24]) plus the audio tower
+QWEN2_5_OMNI_SHRINK: Final = ShrinkSpec(
+    text=_DECODER, vision=QWEN2_5_VL_SHRINK.vision, audio=_AUDIO,
+    rules=_TEXT_RULES + ("fullatt_block_indexes",),
+    keep=_OMNI_IDS + _TEXT_IDS + _QWEN_PATCHES + _AUDIO_KEEP,
+)
+#: Qwen3-Omni thinker: a Qwen3-VL tower (deepstack), a Qwen3-MoE decoder (4 experts, top-2, interleaved
+#: M-RoPE [24, 20, 20]) plus the audio tower
+QWEN3_OMNI_SHRINK: Final = ShrinkSpec(
+    text=_frozen({**_DECODER, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": TEXT_INTERMEDIATE}),
+    vision=QWEN2_5_VL_SHRINK.vision, audio=_AUDIO,
+    rules=_TEXT_RULES + ("deepstack_visual_indexes",),
+    keep=_OMNI_IDS + _TEXT_IDS + _QWEN_PATCHES + _AUDIO_KEEP + ("vision.image_size",),
+)
+#: Qwen3-ASR (transformers-native ``-hf`` layout: flat, no thinker_config): a Qwen3 decoder plus the audio tower
+QWEN3_ASR_SHRINK: Final = ShrinkSpec(
+    text=_DECODER, audio=_AUDIO, rules=_TEXT_RULES,
+    keep=("audio_token_id", "timestamp_token_id", "eos_token_id", "pad_token_id") + _TEXT_IDS + _AUDIO_KEEP,
+)
+
 # ---- the table ------------------------------------------------------------------------------
 
 #: transformers 5.24 ``ProcessorMixin.create_mm_token_type_ids``: 1 image, 2 video (Qwen-VL's M-RoPE reads it)
@@ -248,6 +319,18 @@ ENGINE_FAMILIES: Final[Mapping[str, EngineFamily]] = MappingProxyType({
     "llama4": EngineFamily("llama4", LLAMA4_SHRINK, None, None),
     # InternVLForConditionalGeneration.forward takes no token types; pixel_values [patches, 3, 448, 448]
     "internvl": EngineFamily("internvl", INTERNVL_SHRINK, None, RawLayout.CHANNELS_FIRST, video_as_images=True),
+    # the thinkers take no token types (their get_rope_index reads the placeholder ids themselves); the
+    # bundles name the whole model (thinker + talker + token2wav / code2wav): the engine runs the thinker,
+    # the text-output model TokenSpeed runs for Qwen3-Omni (models/qwen3_omni.py: "thinker only")
+    "qwen2_5_omni": EngineFamily("qwen2_5_omni", QWEN2_5_OMNI_SHRINK, None, RawLayout.PATCH_ROWS,
+                                 model_class="Qwen2_5OmniThinkerForConditionalGeneration",
+                                 sub_config="thinker_config", audio=AudioInputs()),
+    "qwen3_omni_moe": EngineFamily("qwen3_omni_moe", QWEN3_OMNI_SHRINK, None, RawLayout.PATCH_ROWS,
+                                   model_class="Qwen3OmniMoeThinkerForConditionalGeneration",
+                                   sub_config="thinker_config", audio=AudioInputs()),
+    "qwen3_asr": EngineFamily("qwen3_asr", QWEN3_ASR_SHRINK, None, None,
+                              model_class="Qwen3ASRForConditionalGeneration",
+                              audio=AudioInputs(mask_kwarg="input_features_mask", window_multiple=True)),
 })
 
 

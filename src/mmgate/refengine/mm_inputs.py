@@ -60,6 +60,11 @@ DEFAULT_ENCODER_INPUT_KEY = "pixel_values"
 VIDEO_ENCODER_INPUT_KEY = "pixel_values_videos"
 #: the forward kwarg of an audio encoder input (Whisper-style towers) when a wire names none
 AUDIO_ENCODER_INPUT_KEY = "input_features"
+#: TokenSpeed's (and smg's) names of an AUDIO item's side tensors (smg ``qwen3_omni.rs`` / ``qwen3_asr.rs``
+#: ``encoder_field_layouts_for(Modality::Audio)``; TokenSpeed ``qwen3_audio.py`` reads them); an audio
+#: :class:`MediaBatch` carries its per-frame mask under ``AUDIO_MASK``
+AUDIO_MASK = "feature_attention_mask"
+AUDIO_LENGTHS = "audio_feature_lengths"
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,9 +197,28 @@ def batch_tensors(mm: vllm_engine_pb2.MultimodalInputs,
     return batch
 
 
+def refuse_audio_batches(request: vllm_engine_pb2.GenerateRequest) -> None:
+    """Refuse a batch whose ``modality`` is AUDIO: the vLLM wire carries no preprocessed audio.
+
+    smg-grpc-servicer 0.14.1 ``vllm/mm_keys.py`` ``modality_name`` (l. 57-59) names every non-video
+    batch ``image``, so a real worker would hand log-mel features to the vision tower as pixels
+    (``servicer.py`` l. 1108-1172 registers the batch, its hashes and placeholders under ``image``);
+    the reference engine refuses the batch outright instead.  Audio reaches a vLLM worker as a media
+    reference (``media_refs``, processed by the worker) only.
+
+    Raises:
+        GatewayError(MULTIMODAL_NOT_SUPPORTED)
+    """
+    if any(mm.modality == common_pb2.AUDIO for mm in mm_batches(request)):
+        raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED,
+                           "the vLLM wire carries no preprocessed audio (the servicer reads every non-video "
+                           "batch as image); send audio as a media reference to a worker that processes media")
+
+
 def vllm_batches(request: vllm_engine_pb2.GenerateRequest,
                  normalizer: DeviceNormalizer | None = None) -> list[MediaBatch]:
-    """The vLLM request's batches as :class:`MediaBatch` values, in wire order."""
+    """The vLLM request's batches as :class:`MediaBatch` values, in wire order (a wire request's AUDIO
+    batches are refused before this: :func:`refuse_audio_batches`)."""
     out = []
     for mm in mm_batches(request):
         is_video = mm.modality == common_pb2.VIDEO
@@ -251,6 +275,45 @@ def mm_token_type_ids(input_ids: torch.Tensor, image_token_id: int | None, video
     return out
 
 
+def audio_kwargs(batch: MediaBatch, loaded: LoadedModel) -> dict[str, torch.Tensor]:
+    """An audio batch's tensors as the model's processor hands them to its forward.
+
+    In: ``batch.tensors`` holds the clips' features ``[clips, mel, frames]`` (each clip's valid frames,
+    zero-padded to the longest) and their per-frame mask ``[clips, frames]`` under the wire's name
+    (:data:`AUDIO_MASK`).  Out: the features with the frame axis
+    zero-padded to ``facts.audio_frame_multiple`` (Qwen3-ASR: ``Qwen3ASRFeatureExtractor`` pads to a
+    multiple of ``2 * n_window``) and the mask, padded alike, under the row's ``mask_kwarg`` in its
+    ``mask_dtype`` (transformers 5.24: ``Qwen2_5OmniProcessor`` / ``Qwen3OmniMoeProcessor``
+    ``feature_attention_mask``, ``Qwen3ASRProcessor`` ``input_features_mask``, int32 from
+    ``WhisperFeatureExtractor`` / ``Qwen3ASRFeatureExtractor``).  The processors' own padding beyond
+    the longest clip (Qwen2.5-Omni pads every clip to ``n_samples``, 30000 frames) is not reproduced:
+    ``get_audio_features`` drops every masked frame before the tower.
+
+    Raises:
+        GatewayError(MULTIMODAL_NOT_SUPPORTED): the model takes no audio.
+        GatewayError(INVALID_REQUEST): features without a mask, or a mask of another frame count.
+    """
+    facts, spec = loaded.facts, loaded.family.audio
+    if spec is None or not facts.supports_audio:
+        raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED, f"model {facts.model_type!r} takes no audio")
+    tensors = dict(batch.tensors)
+    features, mask = tensors.get(batch.primary), tensors.pop(AUDIO_MASK, None)
+    if features is None:
+        return tensors
+    if mask is None or features.ndim != 3 or mask.shape != (features.shape[0], features.shape[2]):
+        raise GatewayError(ErrorCode.INVALID_REQUEST,
+                           f"audio features {list(features.shape)} need a [clips, frames] mask, "
+                           f"got {None if mask is None else list(mask.shape)}")
+    multiple = max(facts.audio_frame_multiple, 1)
+    pad = -features.shape[2] % multiple
+    if pad:
+        features = torch.nn.functional.pad(features, (0, pad))
+        mask = torch.nn.functional.pad(mask, (0, pad))
+    tensors[batch.primary] = features.contiguous()
+    tensors[spec.mask_kwarg] = mask.to(getattr(torch, spec.mask_dtype)).contiguous()
+    return tensors
+
+
 def assemble_inputs(ids: Sequence[int], batches: Sequence[MediaBatch], loaded: LoadedModel,
                     encoder_outputs: Mapping[str, Any] | None = None) -> ModelInputs:
     """The model inputs of a checked prompt and its media batches (every wire ends here).
@@ -265,13 +328,15 @@ def assemble_inputs(ids: Sequence[int], batches: Sequence[MediaBatch], loaded: L
     """
     facts = loaded.facts
     input_ids = torch.tensor([list(ids)], dtype=torch.int64)
-    if (batches or encoder_outputs) and not facts.supports_vision:
+    if (batches or encoder_outputs) and not facts.takes_media:
         raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED, f"model {facts.model_type!r} takes no multimodal inputs")
     if encoder_outputs and "mm_encoder_outputs" not in loaded.forward_params:
         raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED,
                            f"model {facts.model_type!r} takes no precomputed encoder outputs")
     tensors: dict[str, torch.Tensor] = {}
     for batch in batches:
+        if batch.modality is Modality.AUDIO:
+            batch = MediaBatch(batch.modality, audio_kwargs(batch, loaded), batch.primary)
         shared = batch.tensors.keys() & tensors.keys()
         if shared:
             raise GatewayError(
@@ -310,6 +375,7 @@ def build_model_inputs(
     """
     if request.HasField("media_refs") and request.media_refs.items:
         raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED, "this engine does not process media references")
+    refuse_audio_batches(request)
     ids = prompt_ids(request, tokenizer, loaded.facts.vocab_size)
     if mm_batches(request) and not loaded.facts.supports_vision:
         raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED,

@@ -57,7 +57,7 @@ from mmgate.refengine.core import (
 )
 from mmgate.refengine import frames_as_images
 from mmgate.refengine.device_normalize import DeviceNormalizer
-from mmgate.refengine.mm_inputs import mm_batches, prompt_ids, vllm_batches
+from mmgate.refengine.mm_inputs import mm_batches, prompt_ids, refuse_audio_batches, vllm_batches
 from mmgate.refengine.mm_processor import WorkerMedia
 from mmgate.refengine.streaming import VllmWriter
 from mmgate.refengine.tokenizer_bundle import ServesTokenizer, TokenizerBundle
@@ -145,6 +145,7 @@ class RefEngineServicer(ServesTokenizer, vllm_engine_pb2_grpc.VllmEngineServicer
 
     def _read(self, request: vllm_engine_pb2.GenerateRequest, context: grpc.ServicerContext,
               kv_out: list[str]) -> Leg:
+        refuse_audio_batches(request)  # the wire carries no preprocessed audio (a clear refusal up front)
         request = self._media.resolve(request, context.time_remaining())
         facts = self._loaded.facts
         if request.HasField("media_refs") and request.media_refs.items:

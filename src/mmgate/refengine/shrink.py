@@ -10,8 +10,11 @@ Invariants (what a gateway can observe must not change), listed per family in
 ``ShrinkSpec.keep`` and checked after shrinking: every token id (``vocab_size``,
 image / video / boi / eoi / vision-start ids, eos/bos/pad) and the vision
 geometry (patch size, image size, merge size, grid pinpoints,
-``mm_tokens_per_image``, ...).  So the pixel tensors and grids the full model
-takes are accepted and yield the same number of image tokens.
+``mm_tokens_per_image``, ...) and the audio feature geometry (mel bins, the
+``n_window`` chunking, the tower's position table).  So the pixel tensors, grids
+and log-mel features the full model takes are accepted and yield the same number
+of image and audio tokens.  Audio towers (``audio_config``) shrink by the row's
+``audio`` sizes as vision towers do by ``vision``.
 
 What changes besides size: ``dtype`` is float32 everywhere (a bundle's
 ``bfloat16`` would otherwise make transformers build some modules in bf16), and
@@ -112,11 +115,18 @@ def _vision(cfg: PretrainedConfig) -> PretrainedConfig | None:
     return vision if isinstance(vision, PretrainedConfig) else None
 
 
+def _audio(cfg: PretrainedConfig) -> PretrainedConfig | None:
+    audio = getattr(cfg, "audio_config", None)
+    return audio if isinstance(audio, PretrainedConfig) else None
+
+
 def _part(cfg: PretrainedConfig, name: str) -> PretrainedConfig | None:
     if name == "text":
         return cfg.get_text_config()
     if name == "vision":
         return _vision(cfg)
+    if name == "audio":
+        return _audio(cfg)
     return cfg
 
 
@@ -268,7 +278,8 @@ def shrink_spec(config: PretrainedConfig) -> ShrinkSpec:
             the engine's family table does not name: no rule says how its towers shrink.
     """
     model_type = str(config.model_type)
-    media = _vision(config) is not None or config.get_text_config() is not config
+    media = (_vision(config) is not None or _audio(config) is not None
+             or getattr(config, "thinker_config", None) is not None or config.get_text_config() is not config)
     if media and model_type not in ENGINE_FAMILIES:
         raise ValueError(f"the reference engine has no shrink rules for model_type {model_type!r} "
                          f"(known: {', '.join(ENGINE_FAMILIES)}); give the bundle weights")
@@ -279,7 +290,8 @@ def shrink_config(config: PretrainedConfig, spec: ShrinkSpec | None = None) -> P
     """A shrunken deep copy of ``config`` (see the module docstring for what is kept).
 
     Args:
-        config: the bundle's config, multimodal (with ``vision_config``) or text-only.
+        config: the config the model is built from (the bundle's, or its ``thinker_config`` where the
+            family names one): multimodal (``vision_config`` / ``audio_config``) or text-only.
         spec: the rules; default: the family table's row for ``config.model_type`` (:func:`shrink_spec`).
 
     Returns:
@@ -291,16 +303,18 @@ def shrink_config(config: PretrainedConfig, spec: ShrinkSpec | None = None) -> P
     """
     spec = spec if spec is not None else shrink_spec(config)
     shrunk = copy.deepcopy(config)
-    text, vision = shrunk.get_text_config(), _vision(shrunk)
+    text, vision, audio = shrunk.get_text_config(), _vision(shrunk), _audio(shrunk)
     _set_sizes(text, spec.text)
     if vision is not None:
         _set_sizes(vision, spec.vision)
+    if audio is not None:
+        _set_sizes(audio, spec.audio)
     for name in spec.rules:
         RULES[name](shrunk, config)
     for path, value in spec.overrides.items():
         part, _, name = path.rpartition(".")
         setattr(_part(shrunk, part), name, value)
-    for cfg in (shrunk, text, vision):
+    for cfg in (shrunk, text, vision, audio):
         if cfg is not None:
             cfg.dtype = torch.float32
             if getattr(cfg, "initializer_range", None) is not None:

@@ -19,6 +19,16 @@ Mirrors smg-grpc-servicer 0.14.1 ``smg_grpc_servicer/tokenspeed/servicer.py``:
     ``_merge_placeholder_token_id`` (conflicting ids per modality refused);
   * ``_sampling_params_from_proto``: optional scalars only when set; ``sampling_seed`` -> seed.
 
+AUDIO items (TokenSpeed ``runtime/models/qwen3_audio.py`` ``pack_qwen3_audio_features``,
+``_one_item_feature_length``): ``encoder_input`` is one clip's log-mel ``[num_mel_bins, frames]`` (a
+leading singleton batch dimension accepted: smg sends ``[1, mel, max_frames_of_the_request]``); the
+clip's valid length is ``model_specific_tensors["audio_feature_lengths"]`` (one value) when sent, else
+``feature_attention_mask`` (``[frames]`` or ``[1, frames]``, right-padded contiguous ones), else every
+frame; 1 <= length <= frames.  The item keeps its valid frames only, ``[1, mel, length]``, and a
+``feature_attention_mask`` of ones ``[1, length]``; the lengths tensor has done its work and is dropped
+(no transformers processor hands it to the model).  Concatenated as below, the clips become the
+processor's batch: features zero-padded to the longest clip, the mask 0 on the padding.
+
 The engine then does what TokenSpeed's model code does with the items: each tensor of one
 modality's items concatenated on dim 0 in prompt order (every mmgate family's tensors are
 batched or flat, so this is the batch a vLLM request carries; a batched tensor whose items
@@ -39,7 +49,7 @@ from smg_grpc_proto.generated import (
 
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.refengine.device_normalize import DeviceNormalizer
-from mmgate.refengine.mm_inputs import MediaBatch, encoder_input_kwarg, finish_tensors
+from mmgate.refengine.mm_inputs import AUDIO_LENGTHS, AUDIO_MASK, MediaBatch, encoder_input_kwarg, finish_tensors
 from mmgate.refengine.tensors import decode_tensor
 from mmgate.types import Modality
 
@@ -94,6 +104,51 @@ def _check_side_tensors(modality: Modality, names: set[str]) -> None:
         raise _invalid("AUDIO MultimodalItem must not carry image/video grid tensors")
 
 
+def _audio_length(tensors: dict[str, torch.Tensor], frames: int) -> int:
+    """``_one_item_feature_length``: lengths first, then the mask, else every frame."""
+    lengths, mask = tensors.get(AUDIO_LENGTHS), tensors.get(AUDIO_MASK)
+    if lengths is not None:
+        if lengths.numel() != 1:
+            raise _invalid(f"AUDIO item {AUDIO_LENGTHS} must hold one value, got shape {list(lengths.shape)}")
+        length = int(lengths.reshape(-1)[0])
+    elif mask is not None:
+        if mask.ndim == 2 and mask.shape[0] == 1:
+            mask = mask[0]
+        if mask.ndim != 1 or mask.shape[0] != frames:
+            raise _invalid(f"AUDIO item {AUDIO_MASK} has shape {list(tensors[AUDIO_MASK].shape)}; "
+                           f"expected [{frames}] or [1, {frames}]")
+        length = int(mask.bool().sum())
+        if not bool(mask[:length].bool().all()):
+            raise _invalid(f"AUDIO item {AUDIO_MASK} must be right-padded contiguous ones")
+    else:
+        length = frames
+    if not 1 <= length <= frames:
+        raise _invalid(f"AUDIO item feature length {length} is outside [1, {frames}]")
+    return length
+
+
+def _audio_item(tensors: dict[str, torch.Tensor], primary: str) -> None:
+    """An AUDIO item's tensors in place: its valid frames ``[1, mel, length]`` and a ones mask
+    ``[1, length]`` (see the module docstring).
+
+    Raises:
+        GatewayError(INVALID_REQUEST): features not ``[mel, frames]`` / ``[1, mel, frames]``, or
+            side tensors that contradict them.
+    """
+    features = tensors.get(primary)
+    if features is None:  # a decode leg's identity: nothing to feed
+        return
+    if features.ndim == 3 and features.shape[0] == 1:
+        features = features[0]
+    if features.ndim != 2 or 0 in features.shape:
+        raise _invalid(f"AUDIO encoder_input has shape {list(tensors[primary].shape)}; "
+                       "expected [num_mel_bins, frames] or [1, num_mel_bins, frames]")
+    length = _audio_length(tensors, int(features.shape[1]))
+    tensors.pop(AUDIO_LENGTHS, None)
+    tensors[primary] = features[:, :length].unsqueeze(0).contiguous()
+    tensors[AUDIO_MASK] = torch.ones((1, length), dtype=torch.int64)
+
+
 def read_items(mm_inputs: tokenspeed_scheduler_pb2.MultimodalInputs, normalizer: DeviceNormalizer | None = None,
                unspecified_is_image: bool = False) -> list[Item]:
     """The request's items in wire (prompt) order.
@@ -112,6 +167,8 @@ def read_items(mm_inputs: tokenspeed_scheduler_pb2.MultimodalInputs, normalizer:
             if proto.encoder_input.WhichOneof("payload") == "remote":
                 raise _invalid("TensorData.remote payload is not implemented by this engine")
             tensors[primary] = decode_tensor(proto.encoder_input)
+        if modality is Modality.AUDIO:
+            _audio_item(tensors, primary)
         finish_tensors(tensors, primary, normalizer)
         if not proto.placeholders:
             raise _invalid("MultimodalItem carried no placeholders")

@@ -20,7 +20,8 @@ Roles, as smg-grpc-servicer 0.14.1 ``tokenspeed/server.py`` mounts them:
     with the tower's error, which the waiting prefill also receives).
 
 Labels: GetModelInfo ``supported_modalities`` (``_static_supported_modalities``: image when the
-model has a vision tower, video too when its config has ``video_token_id``), ``supports_vision``,
+model has a vision tower, video too when its config has ``video_token_id``, audio when it has an
+audio tower and an audio token id), ``supports_vision``,
 ``supports_multimodal``, ``model_dtype`` float32, ``multimodal_encoder_dtype`` the engine's
 ``--advertised-encoder-dtype``; GetServerInfo ``server_args.disaggregation_mode`` ``null`` /
 ``prefill`` / ``decode`` / ``encode``, ``disaggregation_bootstrap_port``,
@@ -115,7 +116,7 @@ class TokenSpeedServicer(ServesTokenizer, tokenspeed_scheduler_pb2_grpc.TokenSpe
         facts, role = self._core.loaded.facts, self._config.role
         ids = check_ids(request.tokenized.input_ids, facts.vocab_size)
         items = read_items(request.mm_inputs, self._core.normalizer) if request.HasField("mm_inputs") else []
-        if items and not facts.supports_vision:
+        if items and not facts.takes_media:
             raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED, f"model {facts.model_type!r} takes no multimodal inputs")
         if items and self._config.language_model_only and (role is not Role.DECODE
                                                            or any(i.has_encoder_input for i in items)):
@@ -160,11 +161,20 @@ class TokenSpeedServicer(ServesTokenizer, tokenspeed_scheduler_pb2_grpc.TokenSpe
                                                             if found else f"Request {request.request_id} not found"))
 
     def supported_modalities(self) -> list[int]:
-        """``_static_supported_modalities``: image with a vision tower, video when the config has ``video_token_id``."""
+        """``_static_supported_modalities``: image with a vision tower, video when the config has
+        ``video_token_id``, audio when the model has an audio tower and an audio token id (the servicer's
+        ``qwen3_omni*`` / generic branches; its ``qwen3_asr`` branch reads ``thinker_config.audio_config``,
+        which a transformers-native flat Qwen3-ASR config lacks: the reference engine advertises AUDIO for
+        the model it actually runs)."""
         facts = self._core.loaded.facts
-        if not facts.supports_vision or self._config.language_model_only:
+        if not facts.takes_media or self._config.language_model_only:
             return []
-        return [common_pb2.IMAGE] + ([common_pb2.VIDEO] if facts.video_token_id is not None else [])
+        out = [common_pb2.IMAGE] if facts.supports_vision else []
+        if facts.supports_vision and facts.video_token_id is not None:
+            out.append(common_pb2.VIDEO)
+        if facts.supports_audio:
+            out.append(common_pb2.AUDIO)
+        return out
 
     def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.ServicerContext) -> pb.GetModelInfoResponse:
         facts, modalities = self._core.loaded.facts, self.supported_modalities()
