@@ -52,7 +52,7 @@ from mmgate.types import (
     VideoPlan,
 )
 
-__all__ = ["Family", "FamilyClass", "ImageOnlyFamily", "ImageProcessor", "ImageVideoFamily", "MediaProcessor", "RowSink", "RowWriter", "VideoProcessor",
+__all__ = ["Family", "FamilyClass", "ImageOnlyFamily", "ImageProcessor", "ImageVideoFamily", "MediaProcessor", "RowSink", "RowWriter", "VideoProcessor", "VideoRowWriter",
            "assemble", "combine", "deferrable", "primary_spec"]
 
 
@@ -134,6 +134,18 @@ class RowWriter(Protocol):
                    band: tuple[int, int] = (0, 1)) -> int:
         """:meth:`ImageProcessor.preprocess`'s rows handed to ``sink(first_row, rows)``; ``band``
         ``(k, parts)``: only the k-th of ``parts`` horizontal bands.  Returns the rows written."""
+        ...
+
+
+@runtime_checkable
+class VideoRowWriter(Protocol):
+    """Optional for a :class:`VideoProcessor` whose primary tensor is flat ``[rows, width]``: compute a
+    clip's rows block by block into a sink (the tail of the serialized request, a shared-memory
+    segment), so the clip's ``pixel_values`` are written once, into the buffer that carries them."""
+
+    def write_rows(self, video: DecodedVideo, plan: VideoPlan, raw: bool, sink: RowSink) -> int:
+        """:meth:`VideoProcessor.preprocess`'s rows handed to ``sink(first_row, rows)`` in order, a
+        block at a time; returns the rows written."""
         ...
 
 

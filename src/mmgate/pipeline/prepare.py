@@ -45,6 +45,7 @@ from mmgate.models.family import (
     ImageProcessor,
     RowWriter,
     VideoProcessor,
+    VideoRowWriter,
     assemble,
     deferrable,
     item_rows,
@@ -360,9 +361,10 @@ class Pipeline:
                     items = [*zip(image_plans, images), *((vp.item, r) for vp, r in zip(video_plans, videos))]
                     _check_payload(items, element_bytes(self.settings.transport, raw), limit)
                 defer = defer_pixels and plan.media[0].modality is Modality.IMAGE
+                defer_videos = defer_pixels and plan.media[0].modality is Modality.VIDEO
                 image_batch, video_batch = await _all_or_none(
                     self._preprocess_images(image_proc, decoded, images, image_plans, raw, defer),
-                    self._preprocess_videos(video_proc, clips, video_plans, raw))
+                    self._preprocess_videos(video_proc, clips, video_plans, raw, defer_videos))
             with metrics.stage("expand", timings, self.runtime.served_name):
                 made: dict[Modality, tuple[EncoderBatch | None, tuple[str, ...]]] = {}
                 if images and image_proc is not None:
@@ -609,12 +611,41 @@ class Pipeline:
         return [tasks[(ref.url, ref.hints.fps)].result() for ref in refs]
 
     async def _preprocess_videos(self, proc: ImageProcessor | VideoProcessor | None, clips: Sequence[DecodedVideo],
-                                 plans: Sequence[VideoPlan], raw: bool) -> EncoderBatch | None:
-        """Preprocess each distinct (clip, plan) once, in parallel in the pool; None for no clips."""
+                                 plans: Sequence[VideoPlan], raw: bool, defer: bool = False) -> EncoderBatch | None:
+        """Preprocess each distinct (clip, plan) once, in parallel in the pool; None for no clips.
+
+        ``defer`` (and a layout that allows it): the primary tensor comes back as a
+        :class:`PendingTensor` whose ``fill`` writes each clip's rows straight into the transport
+        buffer, a temporal patch at a time for a :class:`~mmgate.models.family.VideoRowWriter`
+        (no whole-clip ``pixel_values`` array, no copy into the request)."""
         if not clips or proc is None:
             return None
         assert isinstance(proc, VideoProcessor)
         loop = asyncio.get_running_loop()
+        spec = primary_spec(proc.specs)
+        items = [pl.item for pl in plans]
+        if defer and deferrable(spec, items):
+            shape, firsts = primary_layout(spec, items)
+            places: dict[tuple[int, VideoPlan], tuple[DecodedVideo, VideoPlan, list[int]]] = {}
+            for clip, pl, first in zip(clips, plans, firsts):
+                places.setdefault((id(clip), pl), (clip, pl, []))[2].append(first)
+
+            def write(target: RowTarget, clip: DecodedVideo, pl: VideoPlan, at: list[int]) -> None:
+                with target.writer() as put:
+                    def sink(row: int, block: np.ndarray) -> None:
+                        for first in at:
+                            put(first + row, block)
+                    if isinstance(proc, VideoRowWriter) and spec.layout is TensorLayout.FLAT:
+                        proc.write_rows(clip, pl, raw, sink)
+                    else:
+                        sink(0, proc.preprocess(clip, pl, raw).reshape(item_rows(spec, pl.item), -1))
+
+            async def fill(target: RowTarget) -> None:
+                await _all_or_none(*(loop.run_in_executor(self.executor, write, target, c, pl, at)
+                                     for c, pl, at in places.values()))
+
+            dtype = np.dtype(np.uint8 if raw else np.float32)
+            return assemble(proc, plans, PendingTensor(shape=shape, dtype=dtype, fill=fill))
         todo: dict[tuple[int, VideoPlan], asyncio.Future[np.ndarray]] = {}
         for clip, pl in zip(clips, plans):
             if (id(clip), pl) not in todo:
