@@ -13,8 +13,9 @@ what each sent (tensor names, shapes, dtypes, transport) is printed; a differenc
 Then a warm-up per gateway and ``--rounds`` rounds of ``--requests`` / rounds requests that
 alternate which gateway goes first, a closed loop of ``c`` connections (``e2e_gateway.run_load``).
 Reported per gateway: req/s, p50/p99, peak RSS of the process tree (VmRSS summed over the tree,
-sampled every 20 ms while that gateway is measured), idle RSS, CPU ms per request of the tree,
-and the ratios mmgate/smg, with the load average before and after.
+sampled every 20 ms while that gateway is measured; smg's ``ffmpeg`` children included while they
+run), idle RSS, CPU ms per request of the tree (exited children included: :func:`tree_cpu_all`),
+mmgate's stage medians, and the ratios mmgate/smg, with the load average before and after.
 
 Run (about 2-3 minutes on 2 cores):
     python benchmarks/e2e_video.py --json bench-out/e2e-video.json
@@ -35,7 +36,7 @@ from typing import Any
 import httpx
 from bench_report import MODELS_DIR, REPO_ROOT, environment, median, quantile, render_table, write_json
 from e2e_gateway import DEFAULT_MODEL, WorkerLog, run_load
-from gateway_procs import RssSampler, start_null_worker, start_smg, tree_cpu, tree_kb
+from gateway_procs import RssSampler, _tree_pids, start_null_worker, start_smg, tree_cpu, tree_kb
 from video import make_clip
 
 from mmgate.cli.launch import Child, start_gateway
@@ -59,6 +60,21 @@ def clip_bytes(clips_dir: Path, name: str) -> bytes:
         clips_dir.mkdir(parents=True, exist_ok=True)
         make_clip(path, *CLIPS[name])
     return path.read_bytes()
+
+
+def tree_cpu_all(pid: int) -> float:
+    """CPU seconds of ``pid``'s process tree, including its children that have exited (``cutime`` +
+    ``cstime``): smg decodes each clip in an ``ffmpeg`` child process, whose time would otherwise
+    vanish from the tree when it exits between two readings."""
+    total = tree_cpu(pid)[0]
+    for p in _tree_pids(pid):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        total += (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")  # cutime, cstime
+    return total
 
 
 def validate(bases: dict[str, str], body: bytes, wlog: WorkerLog) -> dict[str, Any]:
@@ -101,9 +117,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         bases = {n: f"http://127.0.0.1:{c.port}" for n, c in children.items()}
         time.sleep(1.0)
         idle = {n: tree_kb(c.proc.pid, "VmRSS") / 1024 for n, c in children.items()}
-        validation = validate(bases, body, wlog)
+        validation = validate(bases, video_body(served, clip, 2), wlog)  # max_tokens 2: the worker describes it
         cells: dict[str, dict[str, Any]] = {n: {"seconds": 0.0, "latencies": [], "errors": 0, "cpu_s": 0.0,
-                                                "windows": []} for n in children}
+                                                "windows": [], "stages": {}} for n in children}
         load_before = os.getloadavg()
         with RssSampler({n: c.proc.pid for n, c in children.items()}) as sampler:
             for n, base in bases.items():
@@ -111,10 +127,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             per_round = max(args.concurrency, args.requests // args.rounds)
             for rnd in range(args.rounds):
                 for n in (list(bases) if rnd % 2 == 0 else list(reversed(bases))):
-                    t0, cpu0 = time.monotonic(), tree_cpu(children[n].proc.pid)[0]
-                    secs, lats, errs = asyncio.run(run_load(bases[n], body, per_round, args.concurrency))
+                    t0, cpu0 = time.monotonic(), tree_cpu_all(children[n].proc.pid)
                     cell = cells[n]
-                    cell["cpu_s"] += tree_cpu(children[n].proc.pid)[0] - cpu0
+                    secs, lats, errs = asyncio.run(run_load(bases[n], body, per_round, args.concurrency,
+                                                            cell["stages"]))
+                    cell["cpu_s"] += tree_cpu_all(children[n].proc.pid) - cpu0
                     cell["windows"].append((t0, time.monotonic()))
                     cell["seconds"] += secs
                     cell["latencies"] += lats
@@ -131,7 +148,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         k = max(1, len(c["latencies"]))
         out[n] = {"requests": len(c["latencies"]), "errors": c["errors"], "rps": len(c["latencies"]) / c["seconds"],
                   "p50_ms": 1000 * median(c["latencies"]), "p99_ms": 1000 * quantile(c["latencies"], 0.99),
-                  "peak_rss_mb": peaks[n], "idle_rss_mb": idle[n], "cpu_ms_per_request": 1000 * c["cpu_s"] / k}
+                  "peak_rss_mb": peaks[n], "idle_rss_mb": idle[n], "cpu_ms_per_request": 1000 * c["cpu_s"] / k,
+                  "stage_ms_median": {key: median(v) for key, v in c["stages"].items()}}
     return {"model": served, "clip": args.clip, "clip_bytes": len(clip), "transport": args.transport,
             "concurrency": args.concurrency, "validation": validation, "gateways": out,
             "loadavg_before": load_before, "loadavg_after": load_after,
@@ -169,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# e2e video  {env['date_utc']}  cpus={env['cpus']} load={env['loadavg_at_start']}")
     result = run(args)
     print(table(result))
+    print(f"mmgate stage medians (ms): {result['gateways']['mmgate']['stage_ms_median']}")
     print(f"/dev/shm leftovers: {len(result['dev_shm_leftovers'])}", file=sys.stderr)
     write_json(args.json, {"benchmark": "e2e_video", "env": env, "args": vars(args), **result})
     return 0
