@@ -289,6 +289,7 @@ def test_killing_the_parent_leaves_no_child(engine: RunningEngine) -> None:
     (["--workers", "0"], {}, "--workers must be at least 1"),
     ([], {"MMGATE_WORKERS": "0"}, "MMGATE_WORKERS must be at least 1"),
     ([], {"MMGATE_WORKERS": "two"}, "unreadable MMGATE_WORKERS='two'"),
+    (["--workers", "-1"], {}, "--workers must be at least 1"),
 ])
 def test_a_bad_process_count_is_refused(argv: list[str], environ: dict[str, str], message: str) -> None:
     with pytest.raises(SystemExit, match=re.escape(message)):
@@ -299,7 +300,7 @@ def test_the_command_refuses_a_bad_process_count_a_taken_port_and_a_bad_model() 
     serve = [sys.executable, "-m", "mmgate.cli", "serve", "--host", "127.0.0.1", "--port", "0"]
     bad_count = subprocess.run([*serve, "--model", MODEL, "--workers", "two"], capture_output=True, text=True,
                                timeout=60, check=False)
-    assert bad_count.returncode == 2 and "--workers: invalid int value" in bad_count.stderr
+    assert bad_count.returncode == 2 and "--workers: invalid value 'two': a process count or auto" in bad_count.stderr
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

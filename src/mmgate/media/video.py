@@ -37,9 +37,11 @@ Beyond the reference (docs/video.md, "Decoding"):
 from __future__ import annotations
 
 import io
+import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,8 +109,43 @@ class _Deadline:
                                f"video decoding exceeded the limit of {self.timeout_s:g} s")
 
 
-def _open(data: bytes) -> tuple[Any, Any]:
-    """The container and its first video stream (``streams.video[0]``, as the reference)."""
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class _Decoding:
+    """Clips decoding now in this process: each decoder gets ``cores // clips`` threads (FFmpeg's own
+    count, one per core, for a clip alone).  Frame threads shorten one clip's decode but cost CPU
+    (~10-15 %, docs/performance.md "Video"); with several clips at once the cores are busy anyway and
+    a decoder per core wastes none.  Threading is bit-exact: the thread count changes no pixel."""
+
+    def __init__(self) -> None:
+        self.active = 0
+        self._lock = threading.Lock()
+        self.cores = _cores()
+
+    @contextmanager
+    def slot(self) -> Iterator[int]:
+        """The decoder thread count for one more clip (0: FFmpeg's automatic count) while it decodes."""
+        with self._lock:
+            self.active += 1
+            active = self.active
+        try:
+            yield 0 if active <= 1 else max(1, self.cores // active)
+        finally:
+            with self._lock:
+                self.active -= 1
+
+
+_DECODING = _Decoding()
+
+
+def _open(data: bytes, threads: int = 0) -> tuple[Any, Any]:
+    """The container and its first video stream (``streams.video[0]``, as the reference), its decoder
+    on ``threads`` threads (0: FFmpeg's automatic count)."""
     import av
 
     try:
@@ -120,6 +157,8 @@ def _open(data: bytes) -> tuple[Any, Any]:
         raise _failed("no video stream")
     stream = container.streams.video[0]
     stream.codec_context.thread_type = DECODE_THREAD_TYPE
+    if threads:
+        stream.codec_context.thread_count = threads
     return container, stream
 
 
@@ -287,18 +326,20 @@ def _decode_indices(data: bytes, indices: Sequence[int], allowance: PixelAllowan
     if allowance is not None:
         allowance.take(taken)
     frames = _Frames(indices, allowance, taken, apply_rotation)
-    try:
-        return _decode_skipping(data, frames, meta, deadline)
-    except _Fallback:
-        return _decode_every(data, _Frames(indices, allowance, frames.taken, apply_rotation), deadline)
+    with _DECODING.slot() as threads:
+        try:
+            return _decode_skipping(data, frames, meta, deadline, threads)
+        except _Fallback:
+            return _decode_every(data, _Frames(indices, allowance, frames.taken, apply_rotation), deadline, threads)
 
 
-def _decode_every(data: bytes, frames: _Frames, deadline: _Deadline) -> tuple[np.ndarray | None, int, int, int]:
+def _decode_every(data: bytes, frames: _Frames, deadline: _Deadline,
+                  threads: int = 0) -> tuple[np.ndarray | None, int, int, int]:
     """Every frame up to the last wanted one decoded in order, as the reference's loader."""
     import av
 
     last, seen = max(frames.want), 0
-    container, stream = _open(data)
+    container, stream = _open(data, threads)
     try:
         container.seek(0)
         for i, frame in enumerate(container.decode(stream)):
@@ -315,12 +356,12 @@ def _decode_every(data: bytes, frames: _Frames, deadline: _Deadline) -> tuple[np
     return None, frames.rotation, seen, frames.taken
 
 
-def _decode_skipping(data: bytes, frames: _Frames, meta: VideoMeta,
-                     deadline: _Deadline) -> tuple[np.ndarray | None, int, int, int]:
+def _decode_skipping(data: bytes, frames: _Frames, meta: VideoMeta, deadline: _Deadline,
+                     threads: int = 0) -> tuple[np.ndarray | None, int, int, int]:
     """:func:`_decode_indices` for a stream :func:`_skip_plan` indexes; raises :class:`_Fallback` else."""
     import av
 
-    container, stream = _open(data)
+    container, stream = _open(data, threads)
     try:
         container.seek(0)
         packets = []
@@ -347,10 +388,10 @@ def _decode_skipping(data: bytes, frames: _Frames, meta: VideoMeta,
                     skipped.add(index)
             for frame in packet.decode():
                 deadline.check()
-                index = plan.rank.get(frame.pts) if frame.pts is not None else None
-                if index is None or index <= done or any(i not in skipped for i in range(done + 1, index)):
+                at = plan.rank.get(frame.pts) if frame.pts is not None else None
+                if at is None or at <= done or any(i not in skipped for i in range(done + 1, at)):
                     raise _Fallback
-                done = index
+                done = index = at
                 if index in frames.want:
                     frames.keep(index, frame)
                 if index >= last:

@@ -106,8 +106,9 @@ class FrameProcessor:
                 temporal_patch_size: int) -> Iterator[tuple[int, np.ndarray]]:
         """``(g, frames of temporal patch g)``, resized into one reused buffer; the last patch may hold
         fewer frames (the row writer pads it with its last frame, the clip's last, as the reference)."""
-        resize = size_hw is not None and tuple(size_hw) != frames.shape[1:3]
-        buf = np.empty((temporal_patch_size, *size_hw, frames.shape[3]), dtype=np.uint8) if resize else None
+        buf = None
+        if size_hw is not None and tuple(size_hw) != frames.shape[1:3]:
+            buf = np.empty((temporal_patch_size, size_hw[0], size_hw[1], frames.shape[3]), dtype=np.uint8)
         for g, start in enumerate(range(0, frames.shape[0], temporal_patch_size)):
             part = frames[start:start + temporal_patch_size]
             if buf is not None:

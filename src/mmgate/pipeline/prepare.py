@@ -617,7 +617,9 @@ class Pipeline:
         ``defer`` (and a layout that allows it): the primary tensor comes back as a
         :class:`PendingTensor` whose ``fill`` writes each clip's rows straight into the transport
         buffer, a temporal patch at a time for a :class:`~mmgate.models.family.VideoRowWriter`
-        (no whole-clip ``pixel_values`` array, no copy into the request)."""
+        (no whole-clip ``pixel_values`` array, no copy into the request), and then lets the decoded
+        frames go (a second ``fill`` after a successful one is an internal error; after a failed one,
+        e.g. ``/dev/shm`` full, it writes again)."""
         if not clips or proc is None:
             return None
         assert isinstance(proc, VideoProcessor)
@@ -641,8 +643,11 @@ class Pipeline:
                         sink(0, proc.preprocess(clip, pl, raw).reshape(item_rows(spec, pl.item), -1))
 
             async def fill(target: RowTarget) -> None:
+                if not places:
+                    raise GatewayError(ErrorCode.INTERNAL_ERROR, "the clips' pixels were written already")
                 await _all_or_none(*(loop.run_in_executor(self.executor, write, target, c, pl, at)
                                      for c, pl, at in places.values()))
+                places.clear()  # every row is in the buffer: the decoded frames go now, not with the request
 
             dtype = np.dtype(np.uint8 if raw else np.float32)
             return assemble(proc, plans, PendingTensor(shape=shape, dtype=dtype, fill=fill))
