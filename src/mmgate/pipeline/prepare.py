@@ -645,7 +645,8 @@ class Pipeline:
             async def fill(target: RowTarget) -> None:
                 if not places:
                     raise GatewayError(ErrorCode.INTERNAL_ERROR, "the clips' pixels were written already")
-                await _all_or_none(*(loop.run_in_executor(self.executor, write, target, c, pl, at)
+                running = asyncio.get_running_loop()  # the engine adapter's, not prepare's
+                await _all_or_none(*(running.run_in_executor(self.executor, write, target, c, pl, at)
                                      for c, pl, at in places.values()))
                 places.clear()  # every row is in the buffer: the decoded frames go now, not with the request
 
