@@ -24,7 +24,7 @@ spread the connections), how busy the whole machine was, and the load average be
 The split says what a preprocessing process pool could take off the event loop (only the pool's share)
 and what stays serial in one process (docs/performance.md, "Many cores").
 
-Run (about 8 minutes on 2 cores):
+Run (about 2-3 minutes on 2 cores with --requests 240):
     python benchmarks/serve_scaling.py --json bench-out/serve-scaling.json
 """
 
