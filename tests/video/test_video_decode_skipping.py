@@ -2,10 +2,11 @@
 
 The reference is transformers 5.24's own pyav loader, ``load_video(path, backend="pyav")`` (every
 frame decoded in order), indexed with the sampled indices.  Clips: H.264 with short closed GOPs,
-open GOPs, a strict B-pyramid, intra only; HEVC with B-frames; MPEG-TS (no header frame count:
-decoded every frame, as before); HEVC with open GOPs (CRA pictures: no GOP is left out).  For H.264/HEVC in MP4 the skipping decode must be the one that
-ran (the every-frame fallback is made to fail), and whole GOPs with no wanted frame must be left
-out.  Two clips decoding at once (one decoder thread each) give the same frames.
+open GOPs, a strict B-pyramid, intra only; HEVC with B-frames, with IDR and with open (CRA) GOPs;
+MPEG-TS (no header frame count: every frame decoded, as before).  For H.264/HEVC in MP4 the
+skipping decode must be the one that ran (the every-frame fallback is made to fail); whole GOPs
+with no wanted frame, and the tail of a closed GOP after its last wanted frame, must be left out.
+Two clips decoding at once (one decoder thread each) give the same frames.
 """
 
 from __future__ import annotations
@@ -113,6 +114,20 @@ def test_gops_without_a_wanted_frame_are_not_sent(name: str, clips: dict[str, Pa
         container.close()
     assert plan is not None and len(plan.rank) == FRAMES
     assert len(plan.drop) >= FRAMES // 2  # only the last GOP (before which an IDR starts) is decoded
+
+
+def test_the_tail_of_a_closed_gop_after_its_last_wanted_frame_is_not_sent(clips: dict[str, Path]) -> None:
+    data = clips["h264_gop10"].read_bytes()
+    meta = video._header(data, None)
+    container, stream = video._open(data)
+    try:
+        packets = list(container.demux(stream))
+        plan = video._skip_plan(packets, stream, meta, {0: [0], FRAMES - 1: [1]})
+    finally:
+        container.close()
+    assert plan is not None
+    first_gop = range(1, 10)  # decode order: frame 0's IDR packet, then the other 9 of its GOP
+    assert 0 not in plan.drop and set(first_gop) <= plan.drop
 
 
 def test_a_stream_without_a_header_count_is_decoded_every_frame(clips: dict[str, Path]) -> None:

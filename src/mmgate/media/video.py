@@ -237,8 +237,8 @@ def _is_idr(codec: str, extradata: bytes | None, payload: bytes) -> bool:
 @dataclass
 class _SkipPlan:
     """How the skipping decode indexes and drops frames: ``rank`` maps a packet's pts to its frame
-    index (presentation order); ``drop``: packets (decode order) not sent at all (whole GOPs before
-    an IDR with no wanted frame)."""
+    index (presentation order); ``drop``: packets (decode order) not sent at all (in a GOP that an
+    IDR picture follows, every packet after its last wanted one: the whole GOP when it has none)."""
 
     rank: dict[int, int]
     drop: frozenset[int]
@@ -265,8 +265,10 @@ def _skip_plan(packets: Sequence[Any], stream: Any, meta: VideoMeta, want: Mappi
         nxt = packets[stop] if stop < len(packets) else None
         if nxt is None or not nxt.size or not _is_idr(codec, extradata, bytes(nxt)):
             continue
-        if not any(rank[int(packets[j].pts)] in want for j in range(start, stop) if packets[j].size):
-            drop.update(range(start, stop))
+        # A GOP that an IDR closes: nothing after it references it, and a picture references only
+        # pictures before it in decode order, so the packets after its last wanted one are not needed.
+        wanted = [j for j in range(start, stop) if packets[j].size and rank[int(packets[j].pts)] in want]
+        drop.update(range(wanted[-1] + 1 if wanted else start, stop))
     return _SkipPlan(rank, frozenset(drop))
 
 
@@ -317,8 +319,8 @@ def _decode_indices(data: bytes, indices: Sequence[int], allowance: PixelAllowan
 
     H.264/HEVC streams whose packets index the frames (:func:`_skip_plan`) are decoded skipping
     what no kept frame needs: a packet of an unwanted frame is sent with ``skip_frame="NONREF"``
-    (the decoder drops it when no other picture references it), and a whole GOP with no wanted
-    frame that an IDR picture follows is not sent.  The kept frames are the same bytes (what is
+    (the decoder drops it when no other picture references it), and in a GOP that an IDR picture
+    follows, the packets after its last wanted one (all of them when it has none) are not sent.  The kept frames are the same bytes (what is
     dropped is never referenced); a frame out of step with the plan falls back to decoding every
     frame, as the reference does.
     """
