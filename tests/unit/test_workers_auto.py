@@ -60,7 +60,8 @@ def test_auto_is_one_process_per_core_that_half_the_memory_holds() -> None:
     assert cores.auto_workers(None, cores=16, memory=128 * GIB) == 16  # memory is no limit
     assert cores.auto_workers(None, cores=16, memory=4 * GIB) == (2 * GIB) // per  # memory is: 2 processes
     assert cores.auto_workers(None, cores=16, memory=100 << 20) == 1  # never below 1
-    assert cores.auto_workers(64 << 20, cores=16, memory=4 * GIB) == (2 * GIB) // (cores.IDLE_PROCESS_BYTES + (64 << 20))
+    small_budget = cores.IDLE_PROCESS_BYTES + (64 << 20)
+    assert cores.auto_workers(64 << 20, cores=16, memory=4 * GIB) == (2 * GIB) // small_budget
     assert cores.auto_workers(None, cores=3, memory=None) == 3
 
 

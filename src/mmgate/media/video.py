@@ -320,9 +320,9 @@ def _decode_indices(data: bytes, indices: Sequence[int], allowance: PixelAllowan
     H.264/HEVC streams whose packets index the frames (:func:`_skip_plan`) are decoded skipping
     what no kept frame needs: a packet of an unwanted frame is sent with ``skip_frame="NONREF"``
     (the decoder drops it when no other picture references it), and in a GOP that an IDR picture
-    follows, the packets after its last wanted one (all of them when it has none) are not sent.  The kept frames are the same bytes (what is
-    dropped is never referenced); a frame out of step with the plan falls back to decoding every
-    frame, as the reference does.
+    follows, the packets after its last wanted one (all of them when it has none) are not sent.
+    The kept frames are the same bytes (what is dropped is never referenced); a frame out of step
+    with the plan falls back to decoding every frame, as the reference does.
     """
     taken = len(indices) * meta.height * meta.width
     if allowance is not None:
