@@ -9,8 +9,11 @@ Mirrors transformers 5.24 ``video_utils.read_video_pyav`` (what
 frame count (``stream.frames``) and ``float(average_rate)``, ``seek(0)``, frames
 decoded in order and converted with ``VideoFrame.to_ndarray(format="rgb24")``.
 So the frames equal the reference's bit for bit (same FFmpeg, same swscale
-call); only the sampled frames are converted and kept, the others are decoded
-and dropped.  The angle of the display matrix is recorded on the result.
+call); only the sampled frames are converted and kept, straight into one
+preallocated array, and of the others only what the kept ones need is decoded
+(:func:`_decode_indices`: H.264/HEVC non-reference pictures and the tails of
+IDR-closed GOPs are skipped; docs/video.md, "Decoding").  The angle of the
+display matrix is recorded on the result.
 
 Beyond the reference, by default: a clip whose display matrix rotates it by 90,
 180 or 270 degrees comes out upright, as FFmpeg's ``autorotate`` (the ``ffmpeg``
@@ -27,7 +30,8 @@ Beyond the reference (docs/video.md, "Decoding"):
 * a header without a frame count (Matroska/WebM) or a stream shorter than
   its header: the frames are counted by decoding, and the clip is sampled as a
   clip of that many frames (the reference's loader fails on both);
-* frame decoding uses FFmpeg's frame+slice threading (bit-exact);
+* frame decoding uses FFmpeg's frame+slice threading (bit-exact), its thread count
+  shared among the clips decoding at once in the process;
 * limits: a decoded-pixel allowance (sampled frames x height x width), checked
   from the header before decoding and again on the first frame, and a
   wall-clock deadline checked between frames, with the request's stop signal
