@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 from bench_report import MODELS_DIR, REPO_ROOT, environment, median, quantile, render_table, write_json
 from e2e_gateway import DEFAULT_MODEL, WorkerLog, run_load
-from gateway_procs import RssSampler, _tree_pids, start_null_worker, start_smg, tree_cpu, tree_kb
+from gateway_procs import RssSampler, _tree_pids, machine_busy, start_null_worker, start_smg, tree_cpu, tree_kb
 from video import make_clip
 
 from mmgate.cli.launch import Child, start_gateway
@@ -119,7 +119,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         idle = {n: tree_kb(c.proc.pid, "VmRSS") / 1024 for n, c in children.items()}
         validation = validate(bases, video_body(served, clip, 2), wlog)  # max_tokens 2: the worker describes it
         cells: dict[str, dict[str, Any]] = {n: {"seconds": 0.0, "latencies": [], "errors": 0, "cpu_s": 0.0,
-                                                "windows": [], "stages": {}} for n in children}
+                                                "windows": [], "stages": {}, "worker_cpu_s": 0.0, "busy_s": 0.0,
+                                                "total_s": 0.0} for n in children}
         load_before = os.getloadavg()
         with RssSampler({n: c.proc.pid for n, c in children.items()}) as sampler:
             for n, base in bases.items():
@@ -128,10 +129,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for rnd in range(args.rounds):
                 for n in (list(bases) if rnd % 2 == 0 else list(reversed(bases))):
                     t0, cpu0 = time.monotonic(), tree_cpu_all(children[n].proc.pid)
+                    wcpu0, busy0 = tree_cpu(worker.proc.pid)[0], machine_busy()
                     cell = cells[n]
                     secs, lats, errs = asyncio.run(run_load(bases[n], body, per_round, args.concurrency,
                                                             cell["stages"]))
                     cell["cpu_s"] += tree_cpu_all(children[n].proc.pid) - cpu0
+                    busy1 = machine_busy()
+                    cell["worker_cpu_s"] += tree_cpu(worker.proc.pid)[0] - wcpu0
+                    cell["busy_s"] += busy1[0] - busy0[0]
+                    cell["total_s"] += busy1[1] - busy0[1]
                     cell["windows"].append((t0, time.monotonic()))
                     cell["seconds"] += secs
                     cell["latencies"] += lats
@@ -149,6 +155,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out[n] = {"requests": len(c["latencies"]), "errors": c["errors"], "rps": len(c["latencies"]) / c["seconds"],
                   "p50_ms": 1000 * median(c["latencies"]), "p99_ms": 1000 * quantile(c["latencies"], 0.99),
                   "peak_rss_mb": peaks[n], "idle_rss_mb": idle[n], "cpu_ms_per_request": 1000 * c["cpu_s"] / k,
+                  "worker_cpu_ms_per_request": 1000 * c["worker_cpu_s"] / k,
+                  "machine_busy_fraction": c["busy_s"] / c["total_s"] if c["total_s"] else None,
                   "stage_ms_median": {key: median(v) for key, v in c["stages"].items()}}
     return {"model": served, "clip": args.clip, "clip_bytes": len(clip), "transport": args.transport,
             "concurrency": args.concurrency, "validation": validation, "gateways": out,
@@ -188,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     print(table(result))
     print(f"mmgate stage medians (ms): {result['gateways']['mmgate']['stage_ms_median']}")
+    for name, g in result["gateways"].items():
+        print(f"{name}: worker CPU {g['worker_cpu_ms_per_request']:.0f} ms/request, machine busy "
+              f"{g['machine_busy_fraction']:.2f} during its rounds")
     print(f"/dev/shm leftovers: {len(result['dev_shm_leftovers'])}", file=sys.stderr)
     write_json(args.json, {"benchmark": "e2e_video", "env": env, "args": vars(args), **result})
     return 0
