@@ -1,11 +1,16 @@
-"""``mmgate serve --workers N``: requests/s and CPU per request at N = 1 and N = 2, in front of the null worker.
+"""``mmgate serve --workers N``: requests/s and CPU per request at N = 1, 2, 4, 8 and of smg, in front of the null worker.
 
 One process (this one, the client) starts, on loopback:
 
 * ``benchmarks/null_worker.py``: a vLLM-wire gRPC worker that answers at once, so the gateways are measured;
-* two gateways, both up for the whole run (``mmgate.cli.launch.start_gateway``, ``--log-level warning``):
-  ``mmgate serve --workers 1`` (the default: one process) and ``mmgate serve --workers 2`` (a parent and two
-  gateway processes on one port, ``SO_REUSEPORT``).
+* one mmgate per ``--processes`` value (default 1, 2, 4, 8), all up for the whole run
+  (``mmgate.cli.launch.start_gateway``, ``--log-level warning``): ``mmgate serve --workers 1`` (the default:
+  one process) and ``mmgate serve --workers N`` (a parent and N gateway processes on one port, ``SO_REUSEPORT``);
+* the Rust gateway ``smg launch`` 1.13 (``gateway_procs.start_smg``, ``--smg``; it uses every core by default),
+  in front of the same worker (``--no-smg``: without it).
+
+Nothing depends on the machine's core count: the same command runs on 2 or 16 cores (the load average and
+the machine's busy share are reported per cell).
 
 Before timing, each gateway gets the same request per image: both must answer 200 with the same
 ``usage.prompt_tokens``.  Then per image (one JPEG as a data URL + short text, ``max_tokens`` 1, the body of
@@ -19,7 +24,7 @@ spread the connections), how busy the whole machine was, and the load average be
 The split says what a preprocessing process pool could take off the event loop (only the pool's share)
 and what stays serial in one process (docs/performance.md, "Many cores").
 
-Run (about 3-4 minutes on 2 cores):
+Run (about 2-3 minutes on 2 cores with --requests 240):
     python benchmarks/serve_scaling.py --json bench-out/serve-scaling.json
 """
 
@@ -47,7 +52,7 @@ from bench_report import (
     write_json,
 )
 from e2e_gateway import DEFAULT_MODEL, chat_body, run_load
-from gateway_procs import _tree_pids, machine_busy, start_null_worker, tree_cpu
+from gateway_procs import _tree_pids, machine_busy, start_null_worker, start_smg, tree_cpu
 
 from mmgate.cli.launch import Child, start_gateway
 
@@ -90,7 +95,7 @@ def thread_cpu(pid: int) -> dict[str, float]:
 @dataclass
 class Cell:
     image: str
-    processes: int
+    processes: int  # 0: smg
     concurrency: int
     root_pid: int  # the gateway's first process (with --workers N > 1: the supervising parent)
     seconds: float = 0.0
@@ -107,14 +112,15 @@ class Cell:
         n = max(1, len(self.latencies))
         per_process = {k: v for k, v in self.threads.items() if k.startswith("pid:")}
         spread = sum(per_process.values()) or 1.0
-        return {"image": self.image, "processes": self.processes, "concurrency": self.concurrency,
+        return {"image": self.image, "gateway": label(self.processes), "processes": self.processes,
+                "concurrency": self.concurrency,
                 "requests": len(self.latencies), "errors": self.errors, "seconds": round(self.seconds, 3),
                 "rps": len(self.latencies) / self.seconds if self.seconds else float("nan"),
                 "p50_ms": 1000 * median(self.latencies), "p99_ms": 1000 * quantile(self.latencies, 0.99),
                 "cpu_ms_per_request": 1000 * self.cpu_s / n,
                 "thread_cpu_ms_per_request": {k: 1000 * self.threads.get(k, 0.0) / n for k in ("loop", "pool", "grpc")},
                 "process_cpu_share": sorted((round(v / spread, 3) for k, v in per_process.items()
-                                             if self.processes == 1 or k != f"pid:{self.root_pid}"), reverse=True),
+                                             if self.processes <= 1 or k != f"pid:{self.root_pid}"), reverse=True),
                 "supervisor_cpu_ms_per_request": (1000 * per_process.get(f"pid:{self.root_pid}", 0.0) / n
                                                   if self.processes > 1 else 0.0),
                 "machine_busy_fraction": self.busy_s / self.total_s if self.total_s else None,
@@ -125,6 +131,11 @@ def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float
     return {k: v - before.get(k, 0.0) for k, v in after.items()}
 
 
+def label(processes: int) -> str:
+    """``N=4`` for ``mmgate serve --workers 4``, ``smg`` for the Rust gateway (processes 0)."""
+    return f"N={processes}" if processes else "smg"
+
+
 def _validate(gateways: dict[int, Child], served: str, jpegs: dict[str, bytes]) -> list[dict[str, Any]]:
     rows = []
     for size, jpeg in jpegs.items():
@@ -132,12 +143,13 @@ def _validate(gateways: dict[int, Child], served: str, jpegs: dict[str, bytes]) 
         for n, child in gateways.items():
             r = httpx.post(f"http://127.0.0.1:{child.port}/v1/chat/completions", content=chat_body(served, jpeg, 1),
                            headers={"content-type": "application/json"}, timeout=120)
-            row[f"N={n}"] = {"status": r.status_code,
+            row[label(n)] = {"status": r.status_code,
                              "prompt_tokens": r.json().get("usage", {}).get("prompt_tokens") if r.status_code == 200
                              else None}
-        row["same"] = len({(v["status"], v["prompt_tokens"]) for k, v in row.items() if k.startswith("N=")}) == 1
+        answers = [v for k, v in row.items() if k != "image"]
+        row["same"] = len({(v["status"], v["prompt_tokens"]) for v in answers}) == 1
         print(f"validate {size}: {row}")
-        if not row["same"] or any(v["status"] != 200 for k, v in row.items() if k.startswith("N=")):
+        if not row["same"] or any(v["status"] != 200 for v in answers):
             raise SystemExit(f"validation failed: {row}")
         rows.append(row)
     return rows
@@ -158,6 +170,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for n in args.processes:
             gateways[n] = start_gateway(str(bundle), [worker.port], extra=list(args.mmgate_arg), log_dir=log_dir,
                                         processes=n)
+        if not args.no_smg:
+            gateways[0] = start_smg(Path(args.smg), bundle, worker.port, [], log_dir, None, served)
         validation = _validate(gateways, served, jpegs)
         for size, jpeg in jpegs.items():
             body = chat_body(served, jpeg, 1)
@@ -186,7 +200,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     cell.load_after = os.getloadavg()
                     cells.append(cell)
                 print(f"{size} c={conc}: " + "  ".join(
-                    f"N={n} {len(c.latencies) / c.seconds:.1f} req/s p50 {1000 * median(c.latencies):.0f} ms"
+                    f"{label(n)} {len(c.latencies) / c.seconds:.1f} req/s p50 {1000 * median(c.latencies):.0f} ms"
                     for n, c in by_n.items()), file=sys.stderr)
     finally:
         for child in gateways.values():
@@ -200,16 +214,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def table(result: dict[str, Any]) -> str:
     rows = []
     base = {(c["image"], c["concurrency"]): c for c in result["cells"] if c["processes"] == 1}
+    smg = {(c["image"], c["concurrency"]): c for c in result["cells"] if c["processes"] == 0}
     for c in result["cells"]:
         one = base.get((c["image"], c["concurrency"]))
+        rust = smg.get((c["image"], c["concurrency"]))
         th = c["thread_cpu_ms_per_request"]
-        rows.append([c["image"], c["concurrency"], c["processes"], c["rps"],
-                     c["rps"] / one["rps"] if one else float("nan"), c["p50_ms"], c["p99_ms"],
+        rows.append([c["image"], c["concurrency"], label(c["processes"]), c["rps"],
+                     c["rps"] / one["rps"] if one else float("nan"),
+                     c["rps"] / rust["rps"] if rust else float("nan"), c["p50_ms"], c["p99_ms"],
                      c["cpu_ms_per_request"], th["loop"], th["pool"], th["grpc"],
                      " / ".join(f"{s:.2f}" for s in c["process_cpu_share"]),
                      c["machine_busy_fraction"] or float("nan"), c["errors"],
                      " ".join(f"{v:.2f}" for v in c["loadavg_before"][:1] + c["loadavg_after"][:1])])
-    return render_table(["image", "c", "N", "req/s", "req/s vs N=1", "p50 ms", "p99 ms", "CPU ms/req",
+    return render_table(["image", "c", "gateway", "req/s", "req/s vs N=1", "req/s vs smg", "p50 ms", "p99 ms", "CPU ms/req",
                          "loop ms/req", "pool ms/req", "grpc ms/req", "process CPU share", "machine busy",
                          "errors", "load 1m before/after"], rows)
 
@@ -218,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="bundle folder name under the models dir, or a path")
     ap.add_argument("--images", nargs="+", default=list(SIZES), choices=list(SIZES))
-    ap.add_argument("--processes", nargs="+", type=int, default=[1, 2], help="--workers values compared")
+    ap.add_argument("--processes", nargs="+", type=int, default=[1, 2, 4, 8], help="--workers values compared")
+    ap.add_argument("--smg", default=str(BENCH_OUT / "smg-venv" / "bin" / "smg"), help="the Rust gateway's binary")
+    ap.add_argument("--no-smg", action="store_true", help="compare mmgate's process counts only")
     ap.add_argument("--concurrency", nargs="+", type=int, default=[8])
     ap.add_argument("--requests", type=int, default=320, help="timed requests per gateway per cell")
     ap.add_argument("--warmup", type=int, default=24, help="untimed requests per gateway per cell")

@@ -2,6 +2,7 @@
 
 Clips (generated into ``--clips-dir`` with PyAV's libx264 unless already there):
 * ``10s_30fps_640x360``: 300 frames;
+* ``10s_30fps_1280x720``: 300 frames (the clip of ``benchmarks/e2e_video.py``);
 * ``60s_30fps_1080p``: 1800 frames of 1920x1080 at a low bitrate.
 
 Per clip and model, one process measures, interleaved, on the same bytes:
@@ -58,6 +59,7 @@ from mmgate.types import ItemHints
 #: name -> (seconds, fps, width, height, x264 options)
 CLIPS = {
     "10s_30fps_640x360": (10, 30, 640, 360, {"preset": "veryfast", "crf": "23"}),
+    "10s_30fps_1280x720": (10, 30, 1280, 720, {"preset": "veryfast", "crf": "23"}),  # the e2e video cell's
     "60s_30fps_1080p": (60, 30, 1920, 1080, {"preset": "ultrafast", "b": "1500k", "maxrate": "1500k",
                                                "bufsize": "3000k"}),
 }

@@ -14,6 +14,7 @@
 * Refusals: ``--workers 0`` / ``MMGATE_WORKERS=0`` / ``--workers two`` stop start-up; a bad model stops a
   two-process start-up with status 2, and a taken port with status 1, as ``mmgate serve``.
 * ``--preprocess-threads 0`` (one thread per core) gives each process its share of the cores.
+* ``--workers auto`` starts one process per available core that the memory allows, and they answer.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from PIL import Image
 from mmgate.api.multiproc import MAX_RESTARTS, METRICS_PREFIX, PROCESS_HEADER
 from mmgate.api.serve_child import process_settings
 from mmgate.cli.launch import Child, start_gateway, wait_processes
+from mmgate.config.cores import auto_workers, available_cores
 from mmgate.refengine.config import EngineConfig
 from mmgate.refengine.server import RunningEngine, start_engine
 from mmgate.config.settings import parse_settings
@@ -155,6 +157,24 @@ def test_two_processes_answer_as_one_and_both_serve(one: Child, two: Child) -> N
         if served == children:
             break
     assert served == children
+
+
+def test_auto_starts_a_process_per_core_the_memory_allows_and_answers(engine: RunningEngine, one: Child) -> None:
+    """``--workers auto`` (:mod:`mmgate.config.cores`): as many processes as the machine's cores (affinity,
+    cgroup quota) and memory allow, resolved once by the parent; they answer as one process does."""
+    cores = available_cores()
+    expected = auto_workers(None)
+    auto = _gateway(engine, 1, "--workers", "auto")
+    try:
+        count = len(_children(auto.proc.pid)) or 1  # auto resolving to 1: this process alone, no child
+        if expected == cores:  # memory is no limit here: one process per core
+            assert count == cores
+        assert 1 <= count <= cores
+        if count > 1:
+            wait_processes(auto, count, want_workers=1)
+        assert _answer(_post(auto, BODY)) == _answer(_post(one, BODY))
+    finally:
+        auto.stop()
 
 
 def _requests_total(child: Child) -> float:
@@ -289,6 +309,7 @@ def test_killing_the_parent_leaves_no_child(engine: RunningEngine) -> None:
     (["--workers", "0"], {}, "--workers must be at least 1"),
     ([], {"MMGATE_WORKERS": "0"}, "MMGATE_WORKERS must be at least 1"),
     ([], {"MMGATE_WORKERS": "two"}, "unreadable MMGATE_WORKERS='two'"),
+    (["--workers", "-1"], {}, "--workers must be at least 1"),
 ])
 def test_a_bad_process_count_is_refused(argv: list[str], environ: dict[str, str], message: str) -> None:
     with pytest.raises(SystemExit, match=re.escape(message)):
@@ -299,7 +320,7 @@ def test_the_command_refuses_a_bad_process_count_a_taken_port_and_a_bad_model() 
     serve = [sys.executable, "-m", "mmgate.cli", "serve", "--host", "127.0.0.1", "--port", "0"]
     bad_count = subprocess.run([*serve, "--model", MODEL, "--workers", "two"], capture_output=True, text=True,
                                timeout=60, check=False)
-    assert bad_count.returncode == 2 and "--workers: invalid int value" in bad_count.stderr
+    assert bad_count.returncode == 2 and "--workers: invalid value 'two': a process count or auto" in bad_count.stderr
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -92,6 +92,11 @@ def test_distinct_clips_are_preprocessed_concurrently_and_a_repeated_clip_once(c
             barrier.wait()
             return family.video.preprocess(video, plan, raw)
 
+        def write_rows(self, video, plan, raw, sink):  # the row writer (a clip written straight into its rows)
+            calls.append(video.content_hash)
+            barrier.wait()
+            return family.video.write_rows(video, plan, raw, sink)
+
     class Spy:
         video = VideoSpy()
         processors = {**family.processors, Modality.VIDEO: video}

@@ -192,7 +192,8 @@ class Supervisor:
         try:
             args = [sys.executable, "-m", "mmgate.api.serve_child", "--index", str(slot.index),
                     "--parent-pid", str(os.getpid()), "--listen-fd", str(sock.fileno()), "--ready-fd", str(ready_w),
-                    "--life-fd", str(self._life_r), "--metrics-dir", self._metrics_dir, "--", *self.argv]
+                    "--life-fd", str(self._life_r), "--metrics-dir", self._metrics_dir, "--", *self.argv,
+                    "--workers", str(self.settings.processes)]  # ``auto`` resolved once, here
             env = self.environ | {ENV_PROMETHEUS_DIR: self._metrics_dir}
             slot.proc = subprocess.Popen(args, env=env, pass_fds=(sock.fileno(), ready_w, self._life_r))
         except BaseException:

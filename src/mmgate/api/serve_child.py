@@ -148,12 +148,13 @@ def main(argv: Sequence[str]) -> int:
     threading.Thread(target=watch_parent, args=(spec.life_fd, stop), daemon=True, name="mmgate-parent").start()
 
     from mmgate.api.app import create_app
+    from mmgate.config.cores import available_cores
     from mmgate.gateway.state import build_state
     from mmgate.api.server import uvicorn_config
     from mmgate.errors import GatewayError
 
     serve_argv = spec.serve_argv[1:] if spec.serve_argv[:1] == ["--"] else spec.serve_argv
-    settings = process_settings(parse_settings(serve_argv, os.environ), os.cpu_count() or 2)
+    settings = process_settings(parse_settings(serve_argv, os.environ), available_cores())
     logging.basicConfig(level=settings.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s [{os.getpid()}] %(name)s: %(message)s")
     sock = socket.socket(fileno=spec.listen_fd)

@@ -22,6 +22,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from mmgate.config.auth import AuthSettings, add_auth_options, auth_settings
+from mmgate.config.cores import AUTO, auto_workers, count_or_auto
 from mmgate.config.options import add_option, resolve
 from mmgate.models.backend import FrameSampling, ImageBackend
 
@@ -617,9 +618,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(g, "--served-model-name", help="model name clients send and /v1/models lists (default: --model)")
     add_option(g, "--host", default="127.0.0.1", help="address the HTTP server listens on")
     add_option(g, "--port", type=int, default=30000, minimum=0, help="port the HTTP server listens on")
-    add_option(g, "--workers", type=int, default=1, minimum=1, env=(ENV_WORKERS,),
+    add_option(g, "--workers", type=count_or_auto, default=1, minimum=1, env=(ENV_WORKERS,), metavar="N|auto",
                help="gateway processes serving the port, each a full gateway (SO_REUSEPORT; docs/performance.md, "
-                    "\"Many cores\"); 1: this process alone; --preprocess-threads 0 shares the cores among them")
+                    "\"Many cores\"); 1: this process alone; auto: one per available core (affinity, cgroup "
+                    "quota) that the available memory allows; --preprocess-threads 0 shares the cores among them")
     add_option(g, "--default-max-tokens", type=int, default=64, help="completion budget when a request sets none")
     add_option(g, "--max-model-len", type=int, default=0,
                help="context length in tokens (prompt + completion); 0: the bundle's max_position_embeddings")
@@ -844,7 +846,7 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         worker_urls=tuple(ns.worker_urls),
         host=ns.host,
         port=ns.port,
-        processes=ns.workers,
+        processes=(auto_workers(ns.multimodal_max_inflight_bytes) if ns.workers == AUTO else ns.workers),
         image_backend=ImageBackend(ns.image_backend),
         item_limits=item_limits(ns, environ),
         default_max_tokens=ns.default_max_tokens,

@@ -56,8 +56,8 @@ from mmgate.types import (
 )
 
 __all__ = ["AudioProcessor", "Family", "FamilyClass", "ImageOnlyFamily", "ImageProcessor", "ImageVideoFamily",
-           "MediaProcessor", "RowSink", "RowWriter", "VideoProcessor", "assemble", "combine", "deferrable",
-           "primary_spec", "processor", "processor_map"]
+           "MediaProcessor", "RowSink", "RowWriter", "VideoProcessor", "VideoRowWriter", "assemble", "combine",
+           "deferrable", "primary_spec", "processor", "processor_map"]
 
 
 class _Processor(Protocol):
@@ -138,6 +138,18 @@ class RowWriter(Protocol):
                    band: tuple[int, int] = (0, 1)) -> int:
         """:meth:`ImageProcessor.preprocess`'s rows handed to ``sink(first_row, rows)``; ``band``
         ``(k, parts)``: only the k-th of ``parts`` horizontal bands.  Returns the rows written."""
+        ...
+
+
+@runtime_checkable
+class VideoRowWriter(Protocol):
+    """Optional for a :class:`VideoProcessor` whose primary tensor is flat ``[rows, width]``: compute a
+    clip's rows block by block into a sink (the tail of the serialized request, a shared-memory
+    segment), so the clip's ``pixel_values`` are written once, into the buffer that carries them."""
+
+    def write_rows(self, video: DecodedVideo, plan: VideoPlan, raw: bool, sink: RowSink) -> int:
+        """:meth:`VideoProcessor.preprocess`'s rows handed to ``sink(first_row, rows)`` in order, a
+        block at a time; returns the rows written."""
         ...
 
 

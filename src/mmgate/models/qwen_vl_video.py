@@ -47,6 +47,7 @@ import numpy as np
 
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.models import geometry
+from mmgate.models.image_rows import RowSink
 from mmgate.models.qwen_vl_frames import (
     QWEN3_VIDEO,
     QwenVLVideoParams,
@@ -192,6 +193,13 @@ class QwenVLVideo:
         p = self.p
         return self._pixels(video.frames, plan.item.resized_hw if p.do_resize else None, p.resample, p.patch_size,
                             p.merge_size, p.temporal_patch_size, raw)
+
+    def write_rows(self, video: DecodedVideo, plan: VideoPlan, raw: bool, sink: RowSink) -> int:
+        """:meth:`preprocess`'s rows handed to ``sink(first_row, rows)`` one temporal patch at a time
+        (:class:`~mmgate.models.family.VideoRowWriter`)."""
+        p = self.p
+        return self._pixels.write_rows(video.frames, plan.item.resized_hw if p.do_resize else None, p.resample,
+                                       p.patch_size, p.merge_size, p.temporal_patch_size, raw, sink)
 
     def plan_tensors(self, plan: VideoPlan) -> dict[str, np.ndarray]:
         """``video_grid_thw`` ``[3]`` and ``patches_per_video`` int64 of one clip, and for Qwen2.5-VL

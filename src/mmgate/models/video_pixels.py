@@ -22,10 +22,12 @@ a gather of the table.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 from mmgate.models import geometry, patch_native
-from mmgate.models.image_rows import BLOCK_ROWS, RowNormalizer
+from mmgate.models.image_rows import BLOCK_ROWS, RowNormalizer, RowSink
 from mmgate.models.backend import ImageBackend
 
 #: (gt, T, gh/m, m_h, p_h, gw/m, m_w, p_w, C) -> (gt, gh/m, gw/m, m_h, m_w, C, T, p_h, p_w): the reference's
@@ -73,18 +75,55 @@ class FrameProcessor:
 
     def __call__(self, frames: np.ndarray, size_hw: tuple[int, int] | None, resample: int, patch_size: int,
                  merge_size: int, temporal_patch_size: int, raw: bool) -> np.ndarray:
-        """uint8 ``[N, H, W, C]`` -> rows; ``size_hw`` None: no resize."""
+        """uint8 ``[N, H, W, C]`` -> rows; ``size_hw`` None: no resize.  Each temporal patch's frames are
+        resized and written straight into their rows of the result (at most ``temporal_patch_size``
+        resized frames held at a time)."""
+        height, width = size_hw if size_hw is not None else frames.shape[1:3]
+        per_group = (height // patch_size) * (width // patch_size)
+        groups = -(-frames.shape[0] // temporal_patch_size)
+        out = np.empty((groups * per_group, frames.shape[3] * temporal_patch_size * patch_size * patch_size),
+                       dtype=np.uint8 if raw else np.float32)
+        for g, part in self._groups(frames, size_hw, resample, temporal_patch_size):
+            self._rows(part, patch_size, merge_size, temporal_patch_size, raw, out[g * per_group:(g + 1) * per_group])
+        return out
+
+    def write_rows(self, frames: np.ndarray, size_hw: tuple[int, int] | None, resample: int, patch_size: int,
+                   merge_size: int, temporal_patch_size: int, raw: bool, sink: RowSink) -> int:
+        """:meth:`__call__`'s rows handed to ``sink(first_row, rows)`` one temporal patch at a time
+        (one block of ``grid_h * grid_w`` rows, reused); returns the rows written."""
+        height, width = size_hw if size_hw is not None else frames.shape[1:3]
+        per_group = (height // patch_size) * (width // patch_size)
+        block = np.empty((per_group, frames.shape[3] * temporal_patch_size * patch_size * patch_size),
+                         dtype=np.uint8 if raw else np.float32)
+        written = 0
+        for g, part in self._groups(frames, size_hw, resample, temporal_patch_size):
+            self._rows(part, patch_size, merge_size, temporal_patch_size, raw, block)
+            sink(g * per_group, block)
+            written += per_group
+        return written
+
+    def _groups(self, frames: np.ndarray, size_hw: tuple[int, int] | None, resample: int,
+                temporal_patch_size: int) -> Iterator[tuple[int, np.ndarray]]:
+        """``(g, frames of temporal patch g)``, resized into one reused buffer; the last patch may hold
+        fewer frames (the row writer pads it with its last frame, the clip's last, as the reference)."""
+        buf = None
         if size_hw is not None and tuple(size_hw) != frames.shape[1:3]:
-            resized = np.empty((frames.shape[0], *size_hw, frames.shape[3]), dtype=np.uint8)
-            for i, frame in enumerate(frames):
-                resized[i] = geometry.resize_uint8(frame, size_hw, resample, self.backend)
-            frames = resized
+            buf = np.empty((temporal_patch_size, size_hw[0], size_hw[1], frames.shape[3]), dtype=np.uint8)
+        for g, start in enumerate(range(0, frames.shape[0], temporal_patch_size)):
+            part = frames[start:start + temporal_patch_size]
+            if buf is not None:
+                assert size_hw is not None
+                for j, frame in enumerate(part):
+                    buf[j] = geometry.resize_uint8(frame, size_hw, resample, self.backend)
+                part = buf[:len(part)]
+            yield g, part
+
+    def _rows(self, frames: np.ndarray, patch_size: int, merge_size: int, temporal_patch_size: int, raw: bool,
+              out: np.ndarray) -> None:
+        """The rows of one temporal patch's frames into ``out`` (C-contiguous ``[grid_h*grid_w, width]``)."""
         if patch_native.NATIVE:  # pad, patchify and normalize in one compiled pass (the same values)
-            out = np.empty((patch_native.row_count(frames.shape, patch_size, temporal_patch_size),
-                            frames.shape[3] * temporal_patch_size * patch_size * patch_size),
-                           dtype=np.uint8 if raw else np.float32)
             patch_native.fill_rows(frames, patch_size, merge_size, temporal_patch_size,
                                    None if raw else self.normalizer.lut, out)
-            return out
+            return
         rows = patchify_video(frames, patch_size, merge_size, temporal_patch_size)
-        return rows if raw else normalize_rows(rows, self.normalizer)
+        out[...] = rows if raw else normalize_rows(rows, self.normalizer)

@@ -39,6 +39,8 @@ from mmgate.models.bundle import ModelBundle
 from mmgate.models.family import (
     MediaProcessor,
     RowWriter,
+    VideoProcessor,
+    VideoRowWriter,
     assemble,
     deferrable,
     item_rows,
@@ -412,8 +414,16 @@ class Pipeline:
         width = int(np.prod(shape[1:], dtype=np.int64))
         rows = {key: item_rows(spec, pl) for key, pl in zip(keys, plans)}
 
+        release = _clip_writer(proc) is not None  # decoded clips are large: let them go once written
+
         async def fill(target: RowTarget) -> None:
+            if not items:
+                raise GatewayError(ErrorCode.INTERNAL_ERROR, "the clips' encoder input was written already")
             await self._fill(proc, spec, items, rows, keys, firsts, raw, target)
+            if release:
+                # every row is in the buffer: the decoded frames go now, not with the request; a failed fill
+                # (e.g. /dev/shm full) keeps them for the inline retry
+                items.clear()
 
         if defer:
             return assemble(proc, native, PendingTensor(shape=shape, dtype=dtype, fill=fill))
@@ -464,6 +474,15 @@ class Pipeline:
         for key, first in zip(keys, firsts):
             places.setdefault(key, []).append(first)
         writer = proc if isinstance(proc, RowWriter) and spec.layout is TensorLayout.FLAT else None
+        clip_writer = _clip_writer(proc) if spec.layout is TensorLayout.FLAT else None
+
+        def clip_rows(key: str, at: list[int]) -> None:
+            assert clip_writer is not None
+            with target.writer() as put:
+                def sink(row: int, block: np.ndarray) -> None:
+                    for first in at:
+                        put(first + row, block)
+                clip_writer.write_rows(*items[key], raw, sink)  # type: ignore[arg-type]
 
         def stream(im: DecodedImage, pl: ItemPlan, first: int, band: tuple[int, int]) -> None:
             assert writer is not None
@@ -480,6 +499,10 @@ class Pipeline:
                 return share
 
         async def one(key: str, at: list[int], hit: np.ndarray | None) -> np.ndarray | None:
+            if clip_writer is not None and hit is None and self.cache is None:
+                # a clip a temporal patch at a time straight into the target: no whole-clip array
+                await loop.run_in_executor(self.executor, clip_rows, key, at)
+                return None
             if writer is None or hit is not None or len(at) > 1 or self.cache is not None:
                 return await loop.run_in_executor(self.executor, copy, hit, key, at)
             im, pl = items[key]
@@ -496,6 +519,12 @@ class Pipeline:
             for key, share in zip(places, computed):
                 if hits[key] is None and share is not None:
                     self.cache.put(key, share)
+
+
+def _clip_writer(proc: MediaProcessor) -> VideoRowWriter | None:
+    """``proc`` when it is a clip processor that writes rows itself (protocol checks see only method names:
+    an image :class:`RowWriter` has a ``write_rows`` too)."""
+    return proc if isinstance(proc, VideoProcessor) and isinstance(proc, VideoRowWriter) else None
 
 
 #: rows of ``pixel_values`` per band below which a deferred image is not split across threads
