@@ -21,6 +21,12 @@ Refused: no comma, or a payload that is not base64 after that cleaning
 a payload over the cap -> ``media_too_large`` 413, judged from its length
 before decoding where possible.  Messages never quote the payload (an empty
 payload's message names the declared media type when it is well-formed).
+
+The base64 decode runs on the event loop (the fetch stage), so it uses ``pybase64`` (SIMD; ~40x
+``binascii`` on a 370 KB payload: 0.02 against 0.7 ms, docs/performance.md, "Event loop") when
+installed, with ``validate=True``; on the cleaned, re-padded text below it accepts and refuses exactly
+what ``binascii.a2b_base64(strict_mode=True)`` does (the only inputs where they differ, a full
+quartet followed by more ``=``, cannot reach it: trailing ``=`` are stripped and at most two put back).
 """
 
 from __future__ import annotations
@@ -29,6 +35,19 @@ import binascii
 from urllib.parse import unquote_to_bytes
 
 from mmgate.errors import ErrorCode, GatewayError
+
+try:
+    from pybase64 import b64decode as _pybase64_decode
+except ImportError:  # pragma: no cover - the stdlib decoder, 40x slower on large payloads
+    _pybase64_decode = None
+
+
+def b64decode_strict(raw: bytes) -> bytes:
+    """Standard-alphabet, padded base64 ``raw`` -> bytes; ``binascii.Error`` on any other character or
+    misplaced padding (``pybase64`` when installed, else ``binascii`` in strict mode)."""
+    if _pybase64_decode is not None:
+        return _pybase64_decode(raw, validate=True)
+    return binascii.a2b_base64(raw, strict_mode=True)
 
 _B64_URLSAFE = bytes.maketrans(b"-_", b"+/")
 _WHITESPACE = b" \t\r\n\f\v"
@@ -75,7 +94,7 @@ def decode_data_url(url: str, max_bytes: int, param: str | None = None) -> bytes
     if "base64" in params[1:]:
         raw = _clean_base64(payload, max_bytes, param)
         try:
-            data = binascii.a2b_base64(raw, strict_mode=True)
+            data = b64decode_strict(raw)
         except (binascii.Error, ValueError):
             raise GatewayError(ErrorCode.INVALID_MEDIA_URL, "data URL payload is not valid base64", param) from None
     else:
