@@ -284,9 +284,6 @@ class KeepaliveSettings:
 
     interval_s: float = 30.0
     timeout_s: float = 10.0
-    # not keepalive, the engine channel's other setting: Generate requests of at least this many bytes are sent
-    # from a thread by grpc-python's sync stack, off the event loop (mmgate.engines.client; 0: never)
-    thread_send_min_bytes: int = 1 << 20
 
 
 _KEEPALIVE_DEFAULTS = KeepaliveSettings()
@@ -638,9 +635,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(g, "--engine-keepalive-timeout", type=float, default=_KEEPALIVE_DEFAULTS.timeout_s, minimum=1,
                help="seconds to wait for a keepalive ping's ack; past it the connection is closed and its requests "
                     "end with 503 engine_unavailable (a frozen or partitioned engine; docs/engines.md, \"Liveness\")")
-    add_option(g, "--engine-thread-send-min-bytes", type=int, default=_KEEPALIVE_DEFAULTS.thread_send_min_bytes,
-               minimum=0, help="Generate requests of at least this many bytes are sent to the engine from a thread, "
-                               "off the event loop (docs/performance.md, \"Event loop\"; 0: never)")
     add_option(g, "--pd-disaggregation", action="store_true", default=False,
                help="split each request into a prefill leg and a decode leg (docs/disaggregation.md)")
     add_option(g, "--prefill", action="append", nargs="+", default=None, metavar="URL [BOOTSTRAP_PORT]",
@@ -845,8 +839,7 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         worker_health_timeout_s=_positive(ns.worker_health_timeout, "--worker-health-timeout"),
         worker_unhealthy_after=int(_positive(ns.worker_unhealthy_after, "--worker-unhealthy-after")),
         engine_keepalive=KeepaliveSettings(interval_s=ns.engine_keepalive_interval,
-                                           timeout_s=ns.engine_keepalive_timeout,
-                                           thread_send_min_bytes=ns.engine_thread_send_min_bytes),
+                                           timeout_s=ns.engine_keepalive_timeout),
         memory_trim_min_bytes=max(0, ns.memory_trim_min_bytes),
         malloc_mmap_threshold=_mmap_threshold(ns.malloc_mmap_threshold),
         malloc_trim_threshold=_trim_threshold(ns.malloc_trim_threshold),

@@ -19,27 +19,13 @@ closing (a frozen engine process, a network partition) is found by HTTP/2 keepal
 it with ``UNAVAILABLE`` -> 503 ``engine_unavailable`` (an ``error`` event in a started stream) within about
 ``interval_s + timeout_s`` of the last byte the engine sent.  Health probes cannot do this: a probe timing
 out while a request is in flight counts as "busy" (:mod:`mmgate.routing.workers`).
-
-Large requests off the event loop: grpc.aio starts a call's batch (``grpc_call_start_batch``, which copies the
-serialized request into a slice and starts writing it) with the GIL held on the event loop thread
-(grpcio ``_cygrpc/aio/callback_common.pyx.pxi`` ``execute_batch``; the sync stack's ``_operate`` releases the
-GIL around it).  For an inline 7.4 MB request that is ~2 ms of loop time, for 29.5 MB 4-15 ms
-(docs/performance.md, "Event loop").  A Generate request of at least ``thread_send_min_bytes``
-(``--engine-thread-send-min-bytes``, 1 MiB) is therefore run by grpc-python's sync stack on a second
-channel (same options, same keepalive) in a thread of a pool of :data:`THREAD_SEND_MAX` (one per call,
-blocked on its responses, which it hands to the loop); past that many
-such calls in flight, the next one goes through grpc.aio as before.  Errors, cancellation and deadlines are
-the same (the sync call's ``RpcError`` has the same ``code()`` / ``details()``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
 import time
 from collections.abc import AsyncGenerator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,20 +57,6 @@ CHANNEL_OPTIONS = [
     # A restarted worker is reconnected within a few seconds (gRPC's default backoff grows to 120 s).
     ("grpc.max_reconnect_backoff_ms", 5000),
 ]
-
-
-#: threaded Generate calls in flight per process (each holds a thread while its answer streams); past it: grpc.aio
-THREAD_SEND_MAX = 32
-_send_pool: ThreadPoolExecutor | None = None
-_threaded_in_flight = 0
-_END = object()  # the threaded call's stream ended
-
-
-def _thread_pool() -> ThreadPoolExecutor:
-    global _send_pool
-    if _send_pool is None:
-        _send_pool = ThreadPoolExecutor(THREAD_SEND_MAX, thread_name_prefix="mmgate-grpc-send")
-    return _send_pool
 
 
 #: SMG's engine channel keepalive (ping after 30 s of silence, 10 s for the ack): ``--engine-keepalive-*``
@@ -147,10 +119,7 @@ class WorkerClient:
         self.target = target
         self.wire: Wire | None = None  # detected by the first probe that reaches the worker
         self.last_answer = 0.0  # time.monotonic() of the last message any RPC got back; 0.0: none yet
-        self._thread_send_min_bytes = keepalive.thread_send_min_bytes
-        self._options = channel_options(keepalive)
-        self._channel = grpc.aio.insecure_channel(target, options=self._options)
-        self._sync_channel: grpc.Channel | None = None  # large Generate requests (module docstring), on first use
+        self._channel = grpc.aio.insecure_channel(target, options=channel_options(keepalive))
         self._methods: dict[tuple[str, bool], Any] = {}
         self._warned = False
 
@@ -160,8 +129,6 @@ class WorkerClient:
         return adapter_for(self.wire)
 
     async def close(self) -> None:
-        if self._sync_channel is not None:
-            self._sync_channel.close()
         await self._channel.close()
 
     def _unary(self, svc: WireService, rpc: str) -> Any:
@@ -312,10 +279,6 @@ class WorkerClient:
         adapter = self.adapter
         if adapter is None:
             raise GatewayError(ErrorCode.NO_HEALTHY_WORKER, f"no engine adapter for worker {self.target}")
-        if 0 < self._thread_send_min_bytes <= len(request.data) and _threaded_in_flight < THREAD_SEND_MAX:
-            async for event in self._generate_threaded(adapter, role, request, timeout_s):
-                yield event
-            return
         call = self._stream(adapter, role)(request.data, timeout=timeout_s)
         try:
             # ``read()``, not ``async for``: grpc.aio's iterator is an async generator that refers back to its call
@@ -330,58 +293,6 @@ class WorkerClient:
         finally:
             if not call.done():
                 call.cancel()
-
-    async def _generate_threaded(self, adapter: WireAdapter, role: Role, request: EncodedRequest,
-                                 timeout_s: float | None) -> AsyncGenerator[EngineEvent, None]:
-        """:meth:`generate` through grpc-python's sync stack in a thread (the module docstring says why)."""
-        global _threaded_in_flight
-        method, parse = adapter.rpc(role)
-        key = (method, "sync")
-        if self._sync_channel is None:
-            self._sync_channel = grpc.insecure_channel(self.target, options=self._options)
-        if key not in self._methods:
-            self._methods[key] = self._sync_channel.unary_stream(method, request_serializer=None,
-                                                                 response_deserializer=parse)
-        multicallable = self._methods[key]
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        calls: list[Any] = []
-        stop = threading.Event()
-
-        def hand(item: Any) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-            except RuntimeError:  # the loop is closed: nobody is waiting any more
-                pass
-
-        def run() -> None:
-            try:
-                call = multicallable(request.data, timeout=timeout_s)
-                calls.append(call)
-                if stop.is_set():
-                    call.cancel()
-                for resp in call:
-                    hand(resp)
-                hand(_END)
-            except BaseException as exc:  # RpcError, or anything else: raised on the loop
-                hand(exc)
-
-        _threaded_in_flight += 1
-        try:
-            loop.run_in_executor(_thread_pool(), run)
-            while (item := await queue.get()) is not _END:
-                if isinstance(item, grpc.RpcError):
-                    raise adapter.map_error(item) from None
-                if isinstance(item, BaseException):
-                    raise item
-                self.last_answer = time.monotonic()
-                for event in adapter.events(item):
-                    yield event
-        finally:
-            _threaded_in_flight -= 1
-            stop.set()
-            for call in calls:
-                call.cancel()  # no-op once the call has ended
 
     async def get_tokenizer(self, timeout_s: float, max_bytes: int) -> AsyncGenerator[BundleChunk, None]:
         """Stream the worker's ``GetTokenizer`` (every wire serves it with the common messages, under its own
