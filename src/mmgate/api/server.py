@@ -15,8 +15,9 @@ text.  :class:`GuardedH11Protocol` (h11, the default parser) and
   and is closed; one that sent nothing is closed silently (an idle pre-connect);
 * a connection cap (``--max-connections``): a request on a connection opened
   past it gets 503 ``server_busy`` with ``Connection: close``;
-* uvicorn's 400 for an unparsable request (including headers over 16 KiB: h11's
-  own bound, counted by :class:`GuardedHttpToolsProtocol` for llhttp, which has none)
+* uvicorn's 400 for an unparsable request (including headers past 16 KiB before
+  their end: h11's bound on an incomplete event; :class:`GuardedHttpToolsProtocol`
+  counts the request line + headers for llhttp, which has no bound)
   rendered as the error body ``invalid_request``.
 
 The event loop is asyncio's or uvloop's (``--http-loop``); either library missing
@@ -182,10 +183,6 @@ class GuardedH11Protocol(H11Protocol):
 MAX_HEADER_BYTES = 16 * 1024
 
 
-class _HeaderTooLarge(Exception):
-    """Raised in an httptools callback: the request line and headers passed :data:`MAX_HEADER_BYTES`."""
-
-
 if HttpToolsProtocol is not None:
     class GuardedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc, valid-type]
         """uvicorn's httptools (llhttp) protocol with the same guards as :class:`GuardedH11Protocol`, and
@@ -212,7 +209,8 @@ if HttpToolsProtocol is not None:
             self._arm_header_timer()
 
         def data_received(self, data: bytes) -> None:
-            if self._between_requests():
+            waiting = self._between_requests()
+            if waiting:
                 if self._header_timer is None:
                     self._arm_header_timer()
                 self._partial = True
@@ -220,28 +218,16 @@ if HttpToolsProtocol is not None:
             super().data_received(data)
             if self.cycle is not before:  # the headers are complete: a request began
                 self._cancel_header_timer()
+                self._header_bytes = 0
+            elif waiting and not self.transport.is_closing():
+                # still no complete headers: every byte since the request's first one is request line or header
+                self._header_bytes += len(data)
+                if self._header_bytes > MAX_HEADER_BYTES:
+                    self.send_400_response("request line and headers too large")
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_header_timer()
             super().connection_lost(exc)
-
-        # parser callbacks: count the request line and headers
-        def on_message_begin(self) -> None:
-            self._header_bytes = 0
-            super().on_message_begin()
-
-        def on_url(self, url: bytes) -> None:
-            self._count_header_bytes(len(url))
-            super().on_url(url)
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self._count_header_bytes(len(name) + len(value) + 4)
-            super().on_header(name, value)
-
-        def _count_header_bytes(self, n: int) -> None:
-            self._header_bytes += n
-            if self._header_bytes > MAX_HEADER_BYTES:
-                raise _HeaderTooLarge  # httptools re-raises it as HttpParserCallbackError: the 400 below
 
         def send_400_response(self, msg: str) -> None:
             """uvicorn's answer to an unparsable request, as the error body ``invalid_request``."""
@@ -256,6 +242,7 @@ if HttpToolsProtocol is not None:
             self._cancel_header_timer()
             self._armed_cycle = self.cycle
             self._partial = False
+            self._header_bytes = 0
             self._header_timer = self.loop.call_later(self.header_timeout_s, self._on_header_timeout)
 
         def _cancel_header_timer(self) -> None:
