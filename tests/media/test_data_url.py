@@ -117,5 +117,5 @@ def test_the_fast_base64_decoder_accepts_and_refuses_what_binascii_strict_does(p
 
 def test_the_gateway_decodes_base64_with_pybase64() -> None:
     """pybase64 is a dependency (pyproject.toml): the fast path is the one that runs."""
-    assert data_url._pybase64_decode is not None
+    assert data_url.HAVE_PYBASE64
     assert data_url.b64decode_strict(base64.b64encode(RAW)) == RAW

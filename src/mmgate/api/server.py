@@ -47,11 +47,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 try:
-    import httptools
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol  # needs httptools
+    HAVE_HTTPTOOLS = True
 except ImportError:  # pragma: no cover - optional: --http-parser falls back to h11
-    httptools = None
-    HttpToolsProtocol = None
+    HAVE_HTTPTOOLS = False
 
 from mmgate.observe import metrics
 from mmgate.errors import ErrorCode, GatewayError
@@ -183,8 +182,8 @@ class GuardedH11Protocol(H11Protocol):
 MAX_HEADER_BYTES = 16 * 1024
 
 
-if HttpToolsProtocol is not None:
-    class GuardedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc, valid-type]
+if HAVE_HTTPTOOLS:
+    class GuardedHttpToolsProtocol(HttpToolsProtocol):
         """uvicorn's httptools (llhttp) protocol with the same guards as :class:`GuardedH11Protocol`, and
         h11's 16 KiB bound on the request line + headers (llhttp has none).
 
@@ -260,8 +259,6 @@ if HttpToolsProtocol is not None:
                 self.transport.write(raw_error_response(exc))
             log.debug("closing a connection: no complete request headers within %g s", self.header_timeout_s)
             self.transport.close()
-else:  # pragma: no cover
-    GuardedHttpToolsProtocol = None
 
 
 def protocol_for(http: HttpSettings) -> type[asyncio.Protocol]:
@@ -269,7 +266,7 @@ def protocol_for(http: HttpSettings) -> type[asyncio.Protocol]:
     to ``http``'s header timeout and connection cap."""
     base: type[asyncio.Protocol] = GuardedH11Protocol
     if http.parser == "httptools":
-        if GuardedHttpToolsProtocol is None:
+        if not HAVE_HTTPTOOLS:
             log.warning("--http-parser httptools: httptools is not installed; serving with h11")
         else:
             base = GuardedHttpToolsProtocol

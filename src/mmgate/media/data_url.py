@@ -37,16 +37,17 @@ from urllib.parse import unquote_to_bytes
 from mmgate.errors import ErrorCode, GatewayError
 
 try:
-    from pybase64 import b64decode as _pybase64_decode
+    import pybase64
+    HAVE_PYBASE64 = True
 except ImportError:  # pragma: no cover - the stdlib decoder, 40x slower on large payloads
-    _pybase64_decode = None
+    HAVE_PYBASE64 = False
 
 
 def b64decode_strict(raw: bytes) -> bytes:
     """Standard-alphabet, padded base64 ``raw`` -> bytes; ``binascii.Error`` on any other character or
     misplaced padding (``pybase64`` when installed, else ``binascii`` in strict mode)."""
-    if _pybase64_decode is not None:
-        return _pybase64_decode(raw, validate=True)
+    if HAVE_PYBASE64:
+        return pybase64.b64decode(raw, validate=True)
     return binascii.a2b_base64(raw, strict_mode=True)
 
 _B64_URLSAFE = bytes.maketrans(b"-_", b"+/")
