@@ -244,12 +244,18 @@ def validate(bases: dict[str, str], model: str, jpegs: dict[str, bytes], wlog: W
     return report
 
 
-def variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
-    """``--mmgate-variant LABEL:FLAGS`` -> [(LABEL, [flag, ...])]."""
+def variants(args: argparse.Namespace) -> list[tuple[str, list[str], dict[str, str]]]:
+    """``--mmgate-variant LABEL:[KEY=VALUE ...] FLAGS`` -> [(LABEL, [flag, ...], {KEY: VALUE})]: leading
+    ``KEY=VALUE`` words set the variant's environment (e.g. ``PYTHONPATH=/tmp/before/src``: another tree)."""
     out = []
     for spec in args.mmgate_variant:
         label, _, flags = spec.partition(":")
-        out.append((label.strip(), shlex.split(flags)))
+        words = shlex.split(flags)
+        env: dict[str, str] = {}
+        while words and "=" in words[0] and not words[0].startswith("-"):
+            key, _, value = words.pop(0).partition("=")
+            env[key] = value
+        out.append((label.strip(), words, env))
     return out
 
 
@@ -270,9 +276,10 @@ def run_transport(args: argparse.Namespace, transport: str, bundle: Path, served
             mmgate_env = dict(os.environ) | dict(kv.split("=", 1) for kv in args.mmgate_env) if args.mmgate_env else None
             children["mmgate"] = start_gateway(str(bundle), [worker.port], extra=extra, log_dir=log_dir,
                                                env=mmgate_env)
-            for label, variant_args in variants(args):  # the same mmgate with other flags, same rounds
+            for label, variant_args, variant_env in variants(args):  # other flags or tree, same rounds
+                env = (mmgate_env or dict(os.environ)) | variant_env if variant_env else mmgate_env
                 children[f"mmgate:{label}"] = start_gateway(str(bundle), [worker.port], extra=[*extra, *variant_args],
-                                                            log_dir=log_dir, env=mmgate_env)
+                                                            log_dir=log_dir, env=env)
         children["smg"] = start_smg(Path(args.smg), bundle, worker.port, transport_args, log_dir,
                                     Path(args.turbojpeg_dir) if args.turbojpeg_dir else None, served)
         bases = {n: f"http://127.0.0.1:{c.port}" for n, c in children.items()}
@@ -405,9 +412,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turbojpeg-dir", default=str(BENCH_OUT / "turbojpeg" / "usr" / "lib" / "x86_64-linux-gnu"),
                     help="folder holding libturbojpeg.so.0 for smg ('' to run smg without it)")
     ap.add_argument("--mmgate-arg", action="append", default=[], help="extra flag for mmgate serve (repeatable)")
-    ap.add_argument("--mmgate-variant", action="append", default=[], metavar="LABEL:FLAGS",
-                    help="also run mmgate with these extra flags (shell-split) as gateway mmgate:LABEL, in the "
-                         "same rounds (an A/B of a flag in the same minute); repeatable")
+    ap.add_argument("--mmgate-variant", action="append", default=[], metavar="LABEL:[KEY=VALUE ...] FLAGS",
+                    help="also run mmgate with these extra flags (shell-split; leading KEY=VALUE words: its "
+                         "environment, e.g. PYTHONPATH=<other tree>/src) as gateway mmgate:LABEL, in the same "
+                         "rounds (an A/B of a flag or a tree in the same minute); repeatable")
     ap.add_argument("--mmgate-env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment variable for mmgate serve only (repeatable)")
     ap.add_argument("--py-spy", default=None,
