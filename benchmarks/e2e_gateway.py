@@ -38,6 +38,7 @@ import asyncio
 import base64
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -163,6 +164,16 @@ class WorkerLog:
 # ---------------------------------------------------------------- benchmark
 
 
+def main_thread_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of ``pid``'s main thread: for a single mmgate process, its event loop."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @dataclass
 class CellResult:
     image: str
@@ -175,11 +186,13 @@ class CellResult:
     windows: list[tuple[float, float]] = field(default_factory=list)
     peak_rss_mb: float = float("nan")
     cpu_s: float = 0.0  # CPU time (user + system) of the gateway's process tree during the timed rounds
+    main_thread_cpu_s: float = 0.0  # of its main thread (mmgate: the event loop)
     minor_faults: int = 0
     worker_cpu_s: float = 0.0  # CPU time of the null worker during this gateway's rounds
     machine_busy_s: float = 0.0  # busy CPU time of the whole machine during this gateway's rounds
     machine_total_s: float = 0.0
     stages: dict[str, list[float]] = field(default_factory=dict)  # mmgate only: stage -> ms per request
+    loadavg: tuple[float, float, float] = (0.0, 0.0, 0.0)  # the machine's load average when the cell began
 
     @property
     def rps(self) -> float:
@@ -191,10 +204,12 @@ class CellResult:
                 "rps": self.rps, "p50_ms": 1000 * median(self.latencies),
                 "p99_ms": 1000 * quantile(self.latencies, 0.99), "peak_rss_mb": self.peak_rss_mb,
                 "cpu_ms_per_request": 1000 * self.cpu_s / max(1, len(self.latencies)),
+                "main_thread_cpu_ms_per_request": 1000 * self.main_thread_cpu_s / max(1, len(self.latencies)),
                 "minor_faults_per_request": self.minor_faults / max(1, len(self.latencies)),
                 "worker_cpu_ms_per_request": 1000 * self.worker_cpu_s / max(1, len(self.latencies)),
                 "machine_busy_fraction": self.machine_busy_s / self.machine_total_s if self.machine_total_s else None,
-                "stage_ms_median": {k: median(v) for k, v in self.stages.items()}}
+                "stage_ms_median": {k: median(v) for k, v in self.stages.items()},
+                "loadavg_at_start": [round(x, 2) for x in self.loadavg]}
 
 
 def validate(bases: dict[str, str], model: str, jpegs: dict[str, bytes], wlog: WorkerLog,
@@ -229,6 +244,21 @@ def validate(bases: dict[str, str], model: str, jpegs: dict[str, bytes], wlog: W
     return report
 
 
+def variants(args: argparse.Namespace) -> list[tuple[str, list[str], dict[str, str]]]:
+    """``--mmgate-variant LABEL:[KEY=VALUE ...] FLAGS`` -> [(LABEL, [flag, ...], {KEY: VALUE})]: leading
+    ``KEY=VALUE`` words set the variant's environment (e.g. ``PYTHONPATH=/tmp/before/src``: another tree)."""
+    out = []
+    for spec in args.mmgate_variant:
+        label, _, flags = spec.partition(":")
+        words = shlex.split(flags)
+        env: dict[str, str] = {}
+        while words and "=" in words[0] and not words[0].startswith("-"):
+            key, _, value = words.pop(0).partition("=")
+            env[key] = value
+        out.append((label.strip(), words, env))
+    return out
+
+
 def run_transport(args: argparse.Namespace, transport: str, bundle: Path, served: str, jpegs: dict[str, bytes],
                   mmgate_flags: bool, log_dir: Path) -> dict[str, Any]:
     shm_before = set(os.listdir("/dev/shm"))
@@ -246,6 +276,10 @@ def run_transport(args: argparse.Namespace, transport: str, bundle: Path, served
             mmgate_env = dict(os.environ) | dict(kv.split("=", 1) for kv in args.mmgate_env) if args.mmgate_env else None
             children["mmgate"] = start_gateway(str(bundle), [worker.port], extra=extra, log_dir=log_dir,
                                                env=mmgate_env)
+            for label, variant_args, variant_env in variants(args):  # other flags or tree, same rounds
+                env = (mmgate_env or dict(os.environ)) | variant_env if variant_env else mmgate_env
+                children[f"mmgate:{label}"] = start_gateway(str(bundle), [worker.port], extra=[*extra, *variant_args],
+                                                            log_dir=log_dir, env=env)
         children["smg"] = start_smg(Path(args.smg), bundle, worker.port, transport_args, log_dir,
                                     Path(args.turbojpeg_dir) if args.turbojpeg_dir else None, served)
         bases = {n: f"http://127.0.0.1:{c.port}" for n, c in children.items()}
@@ -268,19 +302,22 @@ def run_transport(args: argparse.Namespace, transport: str, bundle: Path, served
                 body = chat_body(served, jpeg, 1)
                 for conc in args.concurrency:
                     n_total = args.requests_c1 if conc == 1 else max(conc, args.requests_c8 * conc // 8)
-                    cells = {n: CellResult(size, conc, n_total, n) for n in children}
+                    cells = {n: CellResult(size, conc, n_total, n, loadavg=os.getloadavg()) for n in children}
                     for name, base in bases.items():  # warm-up, not counted
                         asyncio.run(run_load(base, body, max(args.warmup, conc), conc))
                     per_round = max(1, n_total // args.rounds)
                     for rnd in range(args.rounds):
-                        order = list(bases) if rnd % 2 == 0 else list(reversed(bases))
+                        names = list(bases)  # rotated: each gateway goes first in turn (2: alternate)
+                        order = names[rnd % len(names):] + names[:rnd % len(names)]
                         for name in order:
                             t0 = time.monotonic()
                             cpu0, faults0 = tree_cpu(children[name].proc.pid)
+                            loop0 = main_thread_cpu(children[name].proc.pid)
                             wcpu0, busy0 = tree_cpu(worker.proc.pid)[0], machine_busy()
                             secs, lats, errs = asyncio.run(run_load(bases[name], body, per_round, conc,
                                                                     cells[name].stages))
                             cpu1, faults1 = tree_cpu(children[name].proc.pid)
+                            cells[name].main_thread_cpu_s += main_thread_cpu(children[name].proc.pid) - loop0
                             wcpu1, busy1 = tree_cpu(worker.proc.pid)[0], machine_busy()
                             cells[name].cpu_s += cpu1 - cpu0
                             cells[name].minor_faults += faults1 - faults0
@@ -316,24 +353,26 @@ def run_transport(args: argparse.Namespace, transport: str, bundle: Path, served
 def table(phases: list[dict[str, Any]]) -> str:
     headers = ["transport", "image", "c", "mmgate req/s", "smg req/s", "mmgate p50 ms", "smg p50 ms",
                "mmgate p99 ms", "smg p99 ms", "mmgate peak RSS MB", "smg peak RSS MB",
-               "mmgate CPU ms/req", "smg CPU ms/req",
+               "mmgate CPU ms/req", "smg CPU ms/req", "mmgate loop CPU ms/req",
                "req/s mmgate/smg", "p50 mmgate/smg", "p99 mmgate/smg", "RSS mmgate/smg", "CPU/req mmgate/smg"]
     rows = []
     for ph in phases:
         by = {(c["image"], c["concurrency"], c["gateway"]): c for c in ph["cells"]}
         keys = sorted({(c["image"], c["concurrency"]) for c in ph["cells"]}, key=lambda k: (SIZES[k[0]], k[1]))
-        for image, conc in keys:
+        names = sorted({c["gateway"] for c in ph["cells"] if c["gateway"] != "smg"} or {"mmgate"})
+        for (image, conc), gw in [(k, g) for k in keys for g in names]:
             s = by[(image, conc, "smg")]
-            m = by.get((image, conc, "mmgate"))
+            m = by.get((image, conc, gw))
             if m is None:
                 pending = "pending"
                 rows.append([ph["transport"], image, conc, pending, s["rps"], pending, s["p50_ms"], pending,
-                             s["p99_ms"], pending, s["peak_rss_mb"], pending, s["cpu_ms_per_request"],
+                             s["p99_ms"], pending, s["peak_rss_mb"], pending, s["cpu_ms_per_request"], pending,
                              pending, pending, pending, pending, pending])
                 continue
-            rows.append([ph["transport"], image, conc, m["rps"], s["rps"], m["p50_ms"], s["p50_ms"], m["p99_ms"],
+            label = ph["transport"] if gw == "mmgate" else f"{ph['transport']} ({gw})"
+            rows.append([label, image, conc, m["rps"], s["rps"], m["p50_ms"], s["p50_ms"], m["p99_ms"],
                          s["p99_ms"], m["peak_rss_mb"], s["peak_rss_mb"], m["cpu_ms_per_request"],
-                         s["cpu_ms_per_request"], m["rps"] / s["rps"], m["p50_ms"] / s["p50_ms"],
+                         s["cpu_ms_per_request"], m["main_thread_cpu_ms_per_request"], m["rps"] / s["rps"], m["p50_ms"] / s["p50_ms"],
                          m["p99_ms"] / s["p99_ms"], m["peak_rss_mb"] / s["peak_rss_mb"],
                          m["cpu_ms_per_request"] / s["cpu_ms_per_request"]])
     return render_table(headers, rows)
@@ -373,6 +412,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turbojpeg-dir", default=str(BENCH_OUT / "turbojpeg" / "usr" / "lib" / "x86_64-linux-gnu"),
                     help="folder holding libturbojpeg.so.0 for smg ('' to run smg without it)")
     ap.add_argument("--mmgate-arg", action="append", default=[], help="extra flag for mmgate serve (repeatable)")
+    ap.add_argument("--mmgate-variant", action="append", default=[], metavar="LABEL:[KEY=VALUE ...] FLAGS",
+                    help="also run mmgate with these extra flags (shell-split; leading KEY=VALUE words: its "
+                         "environment, e.g. PYTHONPATH=<other tree>/src) as gateway mmgate:LABEL, in the same "
+                         "rounds (an A/B of a flag or a tree in the same minute); repeatable")
     ap.add_argument("--mmgate-env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment variable for mmgate serve only (repeatable)")
     ap.add_argument("--py-spy", default=None,

@@ -39,10 +39,15 @@ def summarize(paths: list[str]) -> str:
                      med(x["p50_ms"] for x in m), med(x["p50_ms"] for x in s),
                      med(x["p99_ms"] for x in m), med(x["p99_ms"] for x in s),
                      med(x["cpu_ms_per_request"] for x in m), med(x["cpu_ms_per_request"] for x in s),
-                     med(x["peak_rss_mb"] for x in m), med(x["peak_rss_mb"] for x in s)])
+                     med(x["peak_rss_mb"] for x in m), med(x["peak_rss_mb"] for x in s),
+                     med(a["cpu_ms_per_request"] / b["cpu_ms_per_request"] for a, b in zip(m, s, strict=True)),
+                     med(x.get("main_thread_cpu_ms_per_request", float("nan")) for x in m),
+                     med(a["p50_ms"] / b["p50_ms"] for a, b in zip(m, s, strict=True)),
+                     med(a["peak_rss_mb"] / b["peak_rss_mb"] for a, b in zip(m, s, strict=True))])
     table = render_table(["transport", "image", "c", "mmgate req/s", "smg req/s", "req/s mmgate/smg (each run)",
                           "mmgate p50 ms", "smg p50 ms", "mmgate p99 ms", "smg p99 ms", "mmgate CPU ms/req",
-                          "smg CPU ms/req", "mmgate RSS MB", "smg RSS MB"], rows)
+                          "smg CPU ms/req", "mmgate RSS MB", "smg RSS MB", "CPU/req mmgate/smg",
+                          "mmgate loop CPU ms/req", "p50 mmgate/smg", "RSS mmgate/smg"], rows)
     idle_line = "idle RSS MB (median over runs and transports): " + ", ".join(
         f"{n} {med(v):.0f}" for n, v in idle.items())
     return f"{table}\n\n{idle_line}\nload average at each start: {loads}"

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import base64
+import binascii
 import urllib.parse
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mmgate.errors import ErrorCode, GatewayError
+from mmgate.media import data_url
 from mmgate.media.data_url import decode_data_url
 
 RAW = bytes(range(256)) * 2 + b"\xfb\xff\xfe"  # has '+', '/' and needs padding in base64
@@ -82,3 +86,36 @@ def test_messages_never_quote_the_payload() -> None:
         with pytest.raises(GatewayError) as err:
             decode_data_url(url, 10_000)
         assert secret[:12] not in err.value.message
+
+
+_B64_TEXT = st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/-_=% \n", max_size=40)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(_B64_TEXT)
+def test_the_fast_base64_decoder_accepts_and_refuses_what_binascii_strict_does(payload: str) -> None:
+    """The decode runs through ``pybase64`` when installed; the reference is the stdlib's strict decoder
+    applied to the same cleaned text (the module's rules: whitespace, escapes, URL-safe alphabet, padding)."""
+    space = b" \t\r\n\f\v"
+    cleaned = urllib.parse.unquote_to_bytes(payload.encode().translate(None, space)).translate(None, space)
+    cleaned = cleaned.replace(b"-", b"+").replace(b"_", b"/").rstrip(b"=")
+    try:
+        expected: bytes | None = binascii.a2b_base64(cleaned + b"=" * (-len(cleaned) % 4), strict_mode=True)
+        if len(cleaned) % 4 == 1:
+            expected = None
+    except (binascii.Error, ValueError):
+        expected = None
+    try:
+        got: bytes | None = decode_data_url("data:image/png;base64," + payload, 1 << 20)
+    except GatewayError as exc:
+        assert exc.code in (ErrorCode.INVALID_MEDIA_URL, ErrorCode.MEDIA_DECODE_FAILED)
+        got = None
+    if expected == b"":
+        expected = None  # an empty payload is refused (media_decode_failed)
+    assert got == expected
+
+
+def test_the_gateway_decodes_base64_with_pybase64() -> None:
+    """pybase64 is a dependency (pyproject.toml): the fast path is the one that runs."""
+    assert data_url.HAVE_PYBASE64
+    assert data_url.b64decode_strict(base64.b64encode(RAW)) == RAW

@@ -3,10 +3,11 @@
 Stage: before any route runs.  In: TCP connections on the gateway's port.
 Out: ASGI requests for the app, or a refusal rendered from the error table.
 
-uvicorn (0.5x, h11 protocol) bounds the time between two requests on a kept-alive
-connection (``timeout_keep_alive``) but nothing else: a connection whose request
-line and headers never complete is held forever, and ``limit_concurrency``
-answers plain text.  :class:`GuardedH11Protocol` adds, per connection:
+uvicorn (0.5x) bounds the time between two requests on a kept-alive connection
+(``timeout_keep_alive``) but nothing else: a connection whose request line and
+headers never complete is held forever, and ``limit_concurrency`` answers plain
+text.  :class:`GuardedH11Protocol` (h11, the default parser) and
+:class:`GuardedHttpToolsProtocol` (``--http-parser httptools``) add, per connection:
 
 * a header deadline (``--http-header-timeout``), armed on connect and again on
   the first byte after each response, cancelled when the headers are complete:
@@ -14,8 +15,13 @@ answers plain text.  :class:`GuardedH11Protocol` adds, per connection:
   and is closed; one that sent nothing is closed silently (an idle pre-connect);
 * a connection cap (``--max-connections``): a request on a connection opened
   past it gets 503 ``server_busy`` with ``Connection: close``;
-* uvicorn's 400 for an unparsable request (including headers over h11's 16 KiB)
+* uvicorn's 400 for an unparsable request (including headers past 16 KiB before
+  their end: h11's bound on an incomplete event; :class:`GuardedHttpToolsProtocol`
+  counts the request line + headers for llhttp, which has no bound)
   rendered as the error body ``invalid_request``.
+
+The event loop is asyncio's or uvloop's (``--http-loop``); either library missing
+falls back to asyncio / h11 with a warning (:func:`uvicorn_config`).
 
 The body deadline lives in :func:`mmgate.api.http.read_body`.
 :class:`CloseUnreadBody` adds ``Connection: close`` to any response sent before
@@ -39,6 +45,12 @@ import h11
 import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol  # needs httptools
+    HAVE_HTTPTOOLS = True
+except ImportError:  # pragma: no cover - optional: --http-parser falls back to h11
+    HAVE_HTTPTOOLS = False
 
 from mmgate.observe import metrics
 from mmgate.errors import ErrorCode, GatewayError
@@ -166,10 +178,112 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
 
-def protocol_for(http: HttpSettings) -> type[GuardedH11Protocol]:
-    """A :class:`GuardedH11Protocol` subclass bound to ``http``'s header timeout and connection cap."""
-    return type("MmgateH11Protocol", (GuardedH11Protocol,),
+#: request line + headers past this many bytes get the 400 of an unparsable request (h11's default bound)
+MAX_HEADER_BYTES = 16 * 1024
+
+
+if HAVE_HTTPTOOLS:
+    class GuardedHttpToolsProtocol(HttpToolsProtocol):
+        """uvicorn's httptools (llhttp) protocol with the same guards as :class:`GuardedH11Protocol`, and
+        h11's 16 KiB bound on the request line + headers (llhttp has none).
+
+        One difference from h11, where the parser's buffer is not visible: part of a next request that
+        arrived in the same read as the end of the previous one is bounded by uvicorn's keep-alive timer
+        (closed silently) rather than answered 408.
+        """
+
+        header_timeout_s: ClassVar[float] = 10.0
+        max_connections: ClassVar[int] = 1024
+
+        _header_timer: asyncio.TimerHandle | None = None
+        _armed_cycle: object = None
+        _partial: bool = False
+        _header_bytes: int = 0
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > self.max_connections:
+                self.app = busy_app
+                _log_busy(self.max_connections)
+            self._arm_header_timer()
+
+        def data_received(self, data: bytes) -> None:
+            waiting = self._between_requests()
+            if waiting:
+                if self._header_timer is None:
+                    self._arm_header_timer()
+                self._partial = True
+            before = self.cycle
+            super().data_received(data)
+            if self.cycle is not before:  # the headers are complete: a request began
+                self._cancel_header_timer()
+                self._header_bytes = 0
+            elif waiting and not self.transport.is_closing():
+                # still no complete headers: every byte since the request's first one is request line or header
+                self._header_bytes += len(data)
+                if self._header_bytes > MAX_HEADER_BYTES:
+                    self.send_400_response("request line and headers too large")
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_header_timer()
+            super().connection_lost(exc)
+
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn's answer to an unparsable request, as the error body ``invalid_request``."""
+            self._cancel_header_timer()
+            self.transport.write(raw_error_response(GatewayError(ErrorCode.INVALID_REQUEST, "invalid HTTP request")))
+            self.transport.close()
+
+        def _between_requests(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def _arm_header_timer(self) -> None:
+            self._cancel_header_timer()
+            self._armed_cycle = self.cycle
+            self._partial = False
+            self._header_bytes = 0
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._on_header_timeout)
+
+        def _cancel_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _on_header_timeout(self) -> None:
+            self._header_timer = None
+            if self.transport.is_closing() or self.cycle is not self._armed_cycle:
+                return
+            if self._partial and self._between_requests():
+                exc = GatewayError(ErrorCode.REQUEST_TIMEOUT,
+                                   f"request headers not received within {self.header_timeout_s:g} s")
+                self.transport.write(raw_error_response(exc))
+            log.debug("closing a connection: no complete request headers within %g s", self.header_timeout_s)
+            self.transport.close()
+
+
+def protocol_for(http: HttpSettings) -> type[asyncio.Protocol]:
+    """The guarded protocol of ``http.parser`` (h11 when httptools is not installed), as a subclass bound
+    to ``http``'s header timeout and connection cap."""
+    base: type[asyncio.Protocol] = GuardedH11Protocol
+    if http.parser == "httptools":
+        if not HAVE_HTTPTOOLS:
+            log.warning("--http-parser httptools: httptools is not installed; serving with h11")
+        else:
+            base = GuardedHttpToolsProtocol
+    return type(f"Mmgate{base.__name__}", (base,),
                 {"header_timeout_s": http.header_timeout_s, "max_connections": http.max_connections})
+
+
+def loop_for(http: HttpSettings) -> str:
+    """uvicorn's ``loop`` for ``http.loop``: ``uvloop`` when asked and installed, else ``asyncio``."""
+    if http.loop == "uvloop":
+        try:
+            import uvloop  # noqa: F401
+        except ImportError:
+            log.warning("--http-loop uvloop: uvloop is not installed; serving with asyncio's loop")
+            return "asyncio"
+        return "uvloop"
+    return "asyncio"
 
 
 class CloseUnreadBody:
@@ -207,7 +321,9 @@ class CloseUnreadBody:
 def uvicorn_config(app: ASGIApp, settings: Settings, *, host: str | None = None, port: int | None = None,
                    log_level: str | None = None) -> uvicorn.Config:
     """The uvicorn config of a gateway: ``app`` wrapped in :class:`CloseUnreadBody`, served by
-    :func:`protocol_for` ``(settings.http)``; ``host``/``port``/``log_level`` default to ``settings``'."""
+    :func:`protocol_for` ``(settings.http)`` on :func:`loop_for` ``(settings.http)`` (always explicit: uvicorn's
+    ``auto`` would pick uvloop merely because it is installed); ``host``/``port``/``log_level`` default to
+    ``settings``'."""
     return uvicorn.Config(CloseUnreadBody(app), host=host or settings.host, port=port or settings.port,
                           log_level=log_level or settings.log_level, http=protocol_for(settings.http),
-                          access_log=False)
+                          loop=loop_for(settings.http), access_log=False)

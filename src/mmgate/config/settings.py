@@ -241,9 +241,14 @@ class HttpSettings:
     body_idle_timeout_s: float = 30.0  # longest wait for the next chunk of a request body
     body_timeout_s: float = 120.0  # whole request body, from the first receive
     max_connections: int = 1024  # open connections; past it a request gets 503 server_busy
+    loop: str = "asyncio"  # the event loop: asyncio or uvloop (HTTP_LOOPS; docs/performance.md, "Event loop")
+    parser: str = "h11"  # the HTTP/1.1 parser: h11 or httptools (HTTP_PARSERS), both with the guards above
 
 
 _HTTP_DEFAULTS = HttpSettings()
+#: ``--http-loop`` / ``--http-parser`` choices (mmgate.api.server falls back to asyncio / h11 when the library is absent)
+HTTP_LOOPS = ("asyncio", "uvloop")
+HTTP_PARSERS = ("h11", "httptools")
 
 
 @dataclass(frozen=True, slots=True)
@@ -750,6 +755,11 @@ def build_parser() -> argparse.ArgumentParser:
                help="seconds between two chunks of a request body; past it 408 request_timeout and close")
     add_option(g, "--max-connections", type=int, default=_HTTP_DEFAULTS.max_connections,
                help="open HTTP connections served; a request on one past it gets 503 server_busy")
+    add_option(g, "--http-loop", choices=list(HTTP_LOOPS), default=_HTTP_DEFAULTS.loop,
+               help="event loop of the HTTP server (uvloop: asyncio when not installed)")
+    add_option(g, "--http-parser", choices=list(HTTP_PARSERS), default=_HTTP_DEFAULTS.parser,
+               help="HTTP/1.1 parser (httptools: h11 when not installed); the header deadline and the "
+                    "connection cap apply with either")
     add_auth_options(p)
     g = p.add_argument_group("structured outputs and tools")
     c = _CONSTRAINT_DEFAULTS
@@ -810,7 +820,8 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
     parser = build_parser()
     ns = resolve(parser, parser.parse_args(list(argv)), environ)
     http = HttpSettings(header_timeout_s=ns.http_header_timeout, body_idle_timeout_s=ns.http_body_idle_timeout,
-                        body_timeout_s=ns.http_body_timeout, max_connections=ns.max_connections)
+                        body_timeout_s=ns.http_body_timeout, max_connections=ns.max_connections,
+                        loop=ns.http_loop, parser=ns.http_parser)
     if min(http.header_timeout_s, http.body_idle_timeout_s, http.body_timeout_s, http.max_connections) <= 0:
         raise SystemExit("--http-*-timeout and --max-connections must be positive")
     pd_enabled, prefill_workers, decode_workers = _pd_settings(ns)

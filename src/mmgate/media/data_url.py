@@ -21,6 +21,13 @@ Refused: no comma, or a payload that is not base64 after that cleaning
 a payload over the cap -> ``media_too_large`` 413, judged from its length
 before decoding where possible.  Messages never quote the payload (an empty
 payload's message names the declared media type when it is well-formed).
+
+The base64 decode runs on the event loop (the fetch stage), so it uses ``pybase64`` (SIMD) when
+installed: a canonical payload (the usual case) is decoded in one pass without the cleaning copies
+(0.03 against 3.3 ms for a 370 KB payload, docs/performance.md, "Event loop"); any other goes through
+the cleaning below, then ``pybase64`` with ``validate=True``; on the cleaned, re-padded text below it accepts and refuses exactly
+what ``binascii.a2b_base64(strict_mode=True)`` does (the only inputs where they differ, a full
+quartet followed by more ``=``, cannot reach it: trailing ``=`` are stripped and at most two put back).
 """
 
 from __future__ import annotations
@@ -29,6 +36,20 @@ import binascii
 from urllib.parse import unquote_to_bytes
 
 from mmgate.errors import ErrorCode, GatewayError
+
+try:
+    import pybase64
+    HAVE_PYBASE64 = True
+except ImportError:  # pragma: no cover - the stdlib decoder, 40x slower on large payloads
+    HAVE_PYBASE64 = False
+
+
+def b64decode_strict(raw: bytes) -> bytes:
+    """Standard-alphabet, padded base64 ``raw`` -> bytes; ``binascii.Error`` on any other character or
+    misplaced padding (``pybase64`` when installed, else ``binascii`` in strict mode)."""
+    if HAVE_PYBASE64:
+        return pybase64.b64decode(raw, validate=True)
+    return binascii.a2b_base64(raw, strict_mode=True)
 
 _B64_URLSAFE = bytes.maketrans(b"-_", b"+/")
 _WHITESPACE = b" \t\r\n\f\v"
@@ -59,6 +80,18 @@ def _clean_base64(payload: str, max_bytes: int, param: str | None) -> bytes:
     return raw + b"=" * (-len(raw) % 4)
 
 
+def _decode_canonical(payload: str, max_bytes: int) -> bytes | None:
+    """The bytes of a canonical payload (standard alphabet, padded, nothing else) decoded in one pass with
+    ``pybase64``, or None: not canonical, too long to judge here, or no ``pybase64``.  A canonical payload
+    is what the lenient path would decode to the same bytes, so this only skips its copies."""
+    if not HAVE_PYBASE64 or len(payload) > 4 * (max_bytes // 3 + 1):
+        return None
+    try:
+        return pybase64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+
+
 def decode_data_url(url: str, max_bytes: int, param: str | None = None) -> bytes:
     """Payload bytes of a ``data:`` URL (see the module docstring for what is accepted).
 
@@ -73,11 +106,14 @@ def decode_data_url(url: str, max_bytes: int, param: str | None = None) -> bytes
     params = [p.strip().lower() for p in url[5:comma].split(";")]
     payload = url[comma + 1:]
     if "base64" in params[1:]:
-        raw = _clean_base64(payload, max_bytes, param)
-        try:
-            data = binascii.a2b_base64(raw, strict_mode=True)
-        except (binascii.Error, ValueError):
-            raise GatewayError(ErrorCode.INVALID_MEDIA_URL, "data URL payload is not valid base64", param) from None
+        data = _decode_canonical(payload, max_bytes)
+        if data is None:  # not canonical: the lenient path
+            raw = _clean_base64(payload, max_bytes, param)
+            try:
+                data = b64decode_strict(raw)
+            except (binascii.Error, ValueError):
+                raise GatewayError(ErrorCode.INVALID_MEDIA_URL, "data URL payload is not valid base64",
+                                   param) from None
     else:
         if len(payload) > 3 * max_bytes + 4096:
             raise _too_large(max_bytes, param)
