@@ -207,3 +207,39 @@ def test_router_side_audio_to_a_vllm_or_sglang_worker_is_refused_before_any_fetc
             assert origin.settled()[path] == 0
     finally:
         worker.stop()
+
+
+@pytest.mark.parametrize("model_type", sorted(BUNDLES))
+def test_audio_goes_as_a_media_reference_to_a_worker_that_processes_media(model_type: str, origin: MediaOrigin,
+                                                                           tmp_path: Path) -> None:
+    """``--mm-processing worker``: the gateway forwards the unexpanded prompt and the audio (and image) as
+    media references on the vLLM wire; the reference engine (``--mm-processor inprocess``) fetches and
+    processes them itself and runs the thinker: ``usage.prompt_tokens`` is the processor's count."""
+    from mmgate.refengine.config import parse_args
+
+    folder = BUNDLES[model_type]
+    config = parse_args(["--model", str(bundle_dir(folder)), "--port", "0", "--mm-processor", "inprocess",
+                         "--mm-allow-private-media-hosts", "--record-dir", str(tmp_path)], {})
+    engine = start_engine(config)
+    try:
+        settings = parse_settings(["--model", str(bundle_dir(folder)), "--served-model-name", model_type,
+                                   "--worker-urls", f"grpc://127.0.0.1:{engine.port}",
+                                   "--mm-allow-private-media-hosts", "--mm-processing", "worker"], {})
+        with gateway_in_thread(settings) as base:
+            image = png()
+            client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+            content = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(image)}},
+                       *audio_parts(origin, f"refs-{model_type}"), {"type": "text", "text": "Describe both."}]
+            completion = client.chat.completions.create(model=model_type,
+                                                        messages=[{"role": "user", "content": content}],
+                                                        max_tokens=2, temperature=0)
+            ids, ref = reference_ids(folder, image, [CLIP_A, CLIP_B])
+            assert completion.usage is not None and completion.usage.prompt_tokens == len(ids)
+        # the engine expanded the references itself: the model got the processor's prompt and audio lengths
+        recorded = sorted(tmp_path.glob("*.npz"))
+        assert len(recorded) == 1
+        with np.load(recorded[0], allow_pickle=False) as rec:
+            assert rec["input_ids"].reshape(-1).tolist() == ids
+            assert rec["feature_attention_mask"].sum(-1).tolist() == ref["feature_attention_mask"].sum(-1).tolist()
+    finally:
+        engine.server.stop(0)
