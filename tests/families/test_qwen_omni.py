@@ -15,7 +15,7 @@ tests/audio's) and the same image:
   processor's mask (Qwen3-Omni; Qwen2.5-Omni's is over 30000 padded frames, compared on the valid ones);
 * the placeholder range of each clip is its pad run.
 
-Plus the refusals the family owns: ``use_audio_in_video: true``, unknown options, a video part.
+Plus the refusals the family owns (``use_audio_in_video: true``, unknown options) and its item limits.
 """
 
 from __future__ import annotations
@@ -181,11 +181,8 @@ def test_use_audio_in_video_true_and_unknown_options_are_refused(folder: str) ->
     assert {b.modality for b in ok.batches} == {Modality.IMAGE, Modality.AUDIO}
 
 
-def test_video_is_refused_and_limits_are_smg_s() -> None:
-    rt = runtime(QWEN3_OMNI)
-    assert dict(rt.family.limits) == {Modality.IMAGE: 10, Modality.AUDIO: 10}
-    body = {"model": QWEN3_OMNI, "messages": [{"role": "user", "content": [
-        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}, {"type": "text", "text": "?"}]}]}
-    with pytest.raises(GatewayError) as err:
-        prepare(QWEN3_OMNI, body)
-    assert err.value.code is ErrorCode.MULTIMODAL_NOT_SUPPORTED
+@pytest.mark.parametrize("folder", BUNDLES, ids=lambda f: f.split("--")[1])
+def test_limits_are_smg_s(folder: str) -> None:
+    """smg ``registry/qwen3_omni.rs`` ``modality_limits`` (used for Qwen2.5-Omni too); video parity is
+    tests/video/test_omni_video.py's."""
+    assert dict(runtime(folder).family.limits) == {Modality.IMAGE: 10, Modality.VIDEO: 1, Modality.AUDIO: 10}

@@ -1,4 +1,4 @@
-"""The Qwen Omni family: Qwen2.5-Omni and Qwen3-Omni (thinker) images and audio.
+"""The Qwen Omni family: Qwen2.5-Omni and Qwen3-Omni (thinker) images, videos and audio.
 
 Stage: plan / preprocess / expand for ``model_type`` ``qwen2_5_omni`` and ``qwen3_omni_moe``.
 Settings live under ``config.json`` ``thinker_config`` (token ids, ``audio_config``); the
@@ -67,6 +67,7 @@ from mmgate.models.backend import FrameSampling, ImageBackend
 from mmgate.models.bundle import ModelBundle
 from mmgate.models.family import MediaProcessor, processor_map
 from mmgate.models.processor_options import check_option_types, option_error
+from mmgate.models.qwen_omni_video import OmniVideo
 from mmgate.models.qwen_vl import QwenVLImage, image_params_from_config
 from mmgate.types import DecodedAudio, ItemHints, ItemPlan, Modality, Replacement, TensorLayout, TensorSpec
 
@@ -213,7 +214,7 @@ def _check_id(bundle: ModelBundle, tokenizer: BundleTokenizer, token: str, *keys
 
 
 class QwenOmniFamily:
-    """Qwen2.5-Omni / Qwen3-Omni thinker: images and audio (module docstring)."""
+    """Qwen2.5-Omni / Qwen3-Omni thinker: images, videos and audio (module docstring)."""
 
     model_types = ("qwen2_5_omni", "qwen3_omni_moe")
     limits: Mapping[Modality, int] = {Modality.IMAGE: 10, Modality.AUDIO: 10}
@@ -223,13 +224,16 @@ class QwenOmniFamily:
     vllm_video_ids = False
     text_updates: frozenset[Modality] = frozenset()
 
-    def __init__(self, model_type: str, image: OmniImage, audio: OmniAudio, reserved: tuple[str, ...]) -> None:
+    def __init__(self, model_type: str, image: OmniImage, audio: OmniAudio, reserved: tuple[str, ...],
+                 video: OmniVideo | None = None) -> None:
         self.model_type = model_type
         self.image = image
         self.audio = audio
-        self.video = None
+        self.video = video
         self._reserved = reserved
-        self.processors: Mapping[Modality, MediaProcessor] = processor_map(image, audio)
+        self.processors: Mapping[Modality, MediaProcessor] = processor_map(image, video, audio)
+        if video is not None:
+            self.limits = {**QwenOmniFamily.limits, Modality.VIDEO: 1}
 
     @classmethod
     def from_bundle(cls, bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageBackend,
@@ -249,14 +253,38 @@ class QwenOmniFamily:
         tokens: Callable[[int], int] = (qwen2_5_omni_audio_tokens if model_type == "qwen2_5_omni"
                                         else lambda frames: qwen3_omni_audio_tokens(frames, _QWEN3_N_WINDOW))
         audio = OmniAudio(model_type, params, audio_id, tokens)
-        reserved = (image_token, audio_token, audio_start, audio_end, video_token, "<|vision_start|>",
-                    "<|vision_end|>") if model_type == "qwen3_omni_moe" else (
-            image_token, audio_token, audio_start, audio_end, video_token, "<|vision_bos|>", "<|vision_eos|>")
-        return cls(model_type, image, audio, reserved)
+        vision = ("<|vision_start|>", "<|vision_end|>") if model_type == "qwen3_omni_moe" else (
+            "<|vision_bos|>", "<|vision_eos|>")
+        reserved = (image_token, audio_token, audio_start, audio_end, video_token, *vision)
+        video = cls._video(bundle, tokenizer, video_token, vision, video_backend, video_sampling)
+        return cls(model_type, image, audio, reserved, video)
+
+    @staticmethod
+    def _video(bundle: ModelBundle, tokenizer: BundleTokenizer, video_token: str, vision: tuple[str, str],
+               backend: ImageBackend | None, sampling: FrameSampling) -> OmniVideo | None:
+        """The clip processor (:mod:`mmgate.models.qwen_omni_video`); None without PyAV."""
+        from mmgate.media.video import av_available
+        from mmgate.models import geometry
+        from mmgate.models.qwen_vl_frames import video_config
+
+        if not av_available():
+            return None
+        video_id = _check_id(bundle, tokenizer, video_token, "video_token_id", "video_token_index")
+        ids = {"<|video_pad|>": video_id,
+               "<|vision_start|>": _check_id(bundle, tokenizer, vision[0], "vision_start_token_id"),
+               "<|vision_end|>": _check_id(bundle, tokenizer, vision[1], "vision_end_token_id")}
+        cfg = video_config(bundle.processor_config, bundle.video_preprocessor_config, bundle.preprocessor_config)
+
+        def encode(text: str) -> list[int]:
+            return list(tokenizer.tokenizer.encode(text, add_special_tokens=False).ids)
+
+        return OmniVideo(bundle.model_type, cfg, ids, encode, backend or geometry.resolve_backend(ImageBackend.AUTO),
+                         sampling, check_omni_options)
 
     @property
     def fingerprint(self) -> str:
-        return f"{self.image.fingerprint}|{self.audio.fingerprint}"
+        video = f"|{self.video.fingerprint}" if self.video is not None else ""
+        return f"{self.image.fingerprint}|{self.audio.fingerprint}{video}"
 
     @property
     def reserved_tokens(self) -> tuple[str, ...]:
