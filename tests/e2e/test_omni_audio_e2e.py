@@ -1,4 +1,4 @@
-"""Audio end to end for Qwen2.5-Omni and Qwen3-Omni: the official ``openai`` client -> gateway (loopback,
+"""Audio (and video) end to end for Qwen2.5-Omni and Qwen3-Omni: the official ``openai`` client -> gateway (loopback,
 real app) -> reference engine on the TokenSpeed wire (in process, recording what the model received).
 
 Per model, one request with one ``input_audio`` (base64 wav), one ``audio_url`` (served by a loopback HTTP
@@ -9,6 +9,11 @@ origin) and one image:
   conversation (``processor(text=apply_chat_template(...), images=[image], audio=clips)``, the clips loaded
   by transformers' own ``load_audio``), and the prompt the engine recorded *is* those ids;
 * the audio tensors the engine's model received are the processor's, per clip (valid frames).
+
+A video with an ``input_audio`` likewise (the clip's tensors as the processor's, frames sampled as a vLLM worker
+samples them).  Worker path: the same image + audio request as media references on the vLLM wire to an engine
+that processes them itself (``--mm-processing worker``; the reference engine's worker-side processor is
+mmgate's own pipeline, a real vLLM worker runs its HF processor).
 
 Refusals through HTTP with the real Omni family: ``use_audio_in_video: true`` (400 ``invalid_request``),
 a corrupt clip (400 ``audio_decode_failed``), a clip over ``--audio-max-duration`` (413
@@ -243,3 +248,43 @@ def test_audio_goes_as_a_media_reference_to_a_worker_that_processes_media(model_
             assert rec["feature_attention_mask"].sum(-1).tolist() == ref["feature_attention_mask"].sum(-1).tolist()
     finally:
         engine.server.stop(0)
+
+
+def test_a_clip_with_audio_reaches_the_thinker_with_the_processor_s_prompt(
+        stack: tuple[str, str, Path], tmp_path: Path) -> None:
+    """A video (sampled as a vLLM worker samples it) with an ``input_audio``: the engine's thinker takes the clip's
+    ``pixel_values_videos``, ``video_grid_thw`` and ``video_second_per_grid``; the prompt is the processor's."""
+    import copy
+    import warnings
+
+    from tests.video.video_support import ClipSpec, load, make_clip, vllm_sampling_kwargs
+
+    model_type, base, record = stack
+    path = make_clip(ClipSpec("omni", 9, 6, 64, 48), tmp_path)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    content = [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + b64(path.read_bytes())}},
+               {"type": "input_audio", "input_audio": {"data": b64(CLIP_A), "format": "wav"}},
+               {"type": "text", "text": "Describe both."}]
+    before = set(record.glob("*.npz"))
+    completion = client.chat.completions.create(model=model_type, messages=[{"role": "user", "content": content}],
+                                                max_tokens=2, temperature=0)
+    from transformers.audio_utils import load_audio
+
+    proc = processor(BUNDLES[model_type])
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "audio"},
+                                             {"type": "text", "text": "Describe both."}]}]
+    text = proc.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    frames, meta = load(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = proc(text=text, videos=[frames], video_metadata=[copy.deepcopy(meta)],
+                   audio=[load_audio(b64(CLIP_A), sampling_rate=SR, backend="soundfile")], return_tensors="np",
+                   videos_kwargs={"cap_pixels_per_frame": False, **vllm_sampling_kwargs(proc)})
+    ids = ref["input_ids"][0].tolist()
+    assert completion.usage is not None and completion.usage.prompt_tokens == len(ids)
+    (recorded,) = set(record.glob("*.npz")) - before
+    with np.load(recorded, allow_pickle=False) as rec:
+        assert rec["input_ids"].reshape(-1).tolist() == ids
+        assert np.array_equal(rec["pixel_values_videos"], ref["pixel_values_videos"])
+        assert np.array_equal(rec["video_grid_thw"], ref["video_grid_thw"])
+        assert np.array_equal(rec["video_second_per_grid"], np.asarray(ref["video_second_per_grid"], np.float32))
