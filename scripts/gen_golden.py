@@ -27,6 +27,8 @@ transformers.  One fixture per entry of :data:`FIXTURES` (the reference side of 
   bfloat16 ``pixel_values`` as float32 sha256 and probes; conversations from
   ``apply_chat_template(tokenize=True)``.
 * ``internvl.json``: InternVL3 crops + thumbnail, conversations and clips (``scripts/golden_internvl.py``).
+* ``qwen_omni.json`` (Qwen2.5-Omni, Qwen3-Omni): the ``qwen_vl.json`` rows and conversations for the Omni
+  bundles' images (``Qwen2VLImageProcessor``; audio parity is tests/families/test_qwen_omni.py's).
 
 Both image backends everywhere (``torchvision``: ``AutoProcessor.from_pretrained(bundle)
 .image_processor``; ``pil``: ``AutoImageProcessor.from_pretrained(bundle, backend="pil")``).
@@ -60,7 +62,7 @@ from golden_reference import gemma3_golden, llava_golden, qwen_vl_golden  # noqa
 from golden_llava_onevision import onevision_golden  # noqa: E402
 from golden_llama4 import llama4_golden  # noqa: E402
 from golden_internvl import internvl_golden  # noqa: E402
-from parity_support import GOLDEN_DIR  # noqa: E402
+from parity_support import GOLDEN_DIR, QWEN_OMNI_BUNDLES  # noqa: E402
 
 #: fixture name (``golden/<name>.json``) -> the builder of its content
 FIXTURES: dict[str, Callable[[], dict]] = {
@@ -71,6 +73,7 @@ FIXTURES: dict[str, Callable[[], dict]] = {
     "llava_onevision": onevision_golden,
     "llama4": llama4_golden,
     "internvl": internvl_golden,
+    "qwen_omni": lambda: qwen_vl_golden(QWEN_OMNI_BUNDLES),
 }
 
 

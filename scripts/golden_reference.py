@@ -156,11 +156,12 @@ def qwen_vl_bundle(folder: str, path: Path, sources: dict[str, bytes]) -> tuple[
     return info, rows, conversations
 
 
-def qwen_vl_golden() -> dict:
-    """``qwen_vl.json``: the three Qwen-VL bundles in one fixture."""
+def qwen_vl_golden(folders: Sequence[str] = QWEN_VL_BUNDLES) -> dict:
+    """``qwen_vl.json``: the three Qwen-VL bundles in one fixture (``qwen_omni.json``: the Omni bundles, whose
+    images go through the same ``Qwen2VLImageProcessor``)."""
     sources = {spec.name: spec.encode() for spec in QWEN_VL_IMAGES}
     bundles, rows, conversations = [], [], []
-    for folder in QWEN_VL_BUNDLES:
+    for folder in folders:
         info, r, c = qwen_vl_bundle(folder, bundle_path(folder), sources)
         bundles.append(info)
         rows += r

@@ -41,6 +41,11 @@ QWEN_VL_BUNDLES = (
     "Qwen--Qwen2.5-VL-7B-Instruct",  # qwen2_5_vl (no tokenizer.json: BPE from vocab.json + merges.txt)
     "Qwen--Qwen3-VL-2B-Instruct",  # qwen3_vl
 )
+#: bundle folder names of the Qwen Omni family's image rows (golden/qwen_omni.json)
+QWEN_OMNI_BUNDLES = (
+    "Qwen--Qwen2.5-Omni-7B",  # qwen2_5_omni
+    "Qwen--Qwen3-Omni-30B-A3B-Instruct",  # qwen3_omni_moe
+)
 
 #: modes the corpus covers; JPEG is written for RGB and L only
 MODES = ("RGB", "RGBA", "L", "LA", "P", "P+tRNS", "P+alpha")

@@ -365,4 +365,8 @@ FAMILIES: tuple[GoldenFamily, ...] = (
                  option_sets=({},), replay_row=internvl_row, replay_conversation=internvl_conversation,
                  conversation_backends=BACKENDS, torch_free_row=lambda r: r["num_patches"] > 1,
                  row_id=_backend_image),
+    GoldenFamily(name="qwen_omni", max_bytes=200_000, model_types=frozenset({"qwen2_5_omni", "qwen3_omni_moe"}),
+                 option_sets=({},), replay_row=qwen_vl_row, replay_conversation=qwen_vl_conversation,
+                 conversation_backends=BACKENDS, torch_free_row=lambda r: "refused" not in r,
+                 row_id=_bundle_backend_image),
 )

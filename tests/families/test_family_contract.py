@@ -32,7 +32,7 @@ from mmgate.models.bundle import load_bundle
 from mmgate.models.family import assemble
 from mmgate.models.registry import FAMILY_BY_MODEL_TYPE, load_family
 from mmgate.models.backend import ImageBackend
-from mmgate.types import Modality, TensorLayout
+from mmgate.types import ItemHints, Modality, TensorLayout
 
 MODEL_TYPES = sorted(FAMILY_BY_MODEL_TYPE)
 BACKENDS = (ImageBackend.PIL, ImageBackend.TORCHVISION)
@@ -169,3 +169,47 @@ def test_pixel_cache_hit_equals_miss(model_type: str) -> None:
         assert len(cache) == 2  # the repeated image is one entry
         hit = run()
     assert miss.dtype == hit.dtype and np.array_equal(miss, hit)
+
+
+AUDIO_TYPES = [t for t in MODEL_TYPES if Modality.AUDIO in FAMILY_BY_MODEL_TYPE[t].limits]
+
+
+@pytest.mark.parametrize("model_type", AUDIO_TYPES)
+def test_audio_plan_preprocess_and_expansion_agree(model_type: str) -> None:
+    """Family-neutral, for every family that takes audio: each clip's shares have the planned shapes, the
+    batch is laid out as the specs say (a batched primary zero-padded, its share's values intact) and the
+    prompt update holds exactly ``num_tokens`` placeholder tokens."""
+    from mmgate.types import DecodedAudio
+
+    family, _ = family_for(model_type, BACKENDS[0])
+    proc = family.processors[Modality.AUDIO]
+    assert proc.modality is Modality.AUDIO and proc.specs[0].primary and not proc.device_normalizable
+    names = [s.name for s in proc.specs]
+    rng = np.random.default_rng(3)
+    plans, shares = [], []
+    for seconds in (0.05, 0.77, 2.0):
+        n = int(seconds * proc.sampling_rate) + 13
+        audio = DecodedAudio(samples=(0.1 * rng.standard_normal(n)).astype(np.float32),
+                             sampling_rate=proc.sampling_rate, source_rate=proc.sampling_rate, source_channels=1,
+                             content_hash=f"h{n}", num_bytes=2 * n)
+        plan = proc.plan(audio, ItemHints())
+        assert [k for k, _ in plan.shapes] == names and plan.modality is Modality.AUDIO
+        share = proc.preprocess(audio, plan)
+        assert share.dtype == np.float32 and share.shape == plan.primary_shape
+        for name, array in proc.plan_tensors(plan).items():
+            assert np.asarray(array).shape == plan.shape(name), name
+        rep = proc.expand(plan)
+        window = rep.token_ids[rep.embed_offset:rep.embed_offset + rep.embed_length]
+        assert rep.text is None and window.count(proc.placeholder_token_id) == plan.num_tokens > 0
+        plans.append(plan)
+        shares.append(share)
+    batch = assemble(proc, plans, shares)
+    for spec in proc.specs:
+        tensor = batch.tensors[spec.name]
+        assert tensor.dtype == np.dtype(spec.dtype), spec.name
+        if spec.layout is TensorLayout.BATCHED:
+            assert tensor.shape[0] == len(plans), spec.name
+    primary = batch.tensors[batch.primary_key]
+    for k, share in enumerate(shares):
+        if proc.specs[0].layout is TensorLayout.BATCHED:
+            assert np.array_equal(primary[k][tuple(slice(0, d) for d in share.shape)], share)

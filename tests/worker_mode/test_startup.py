@@ -9,8 +9,9 @@
   copy of Qwen2.5-Omni, whose towers live under ``thinker_config``), makes
   ``mmgate serve``, ``mmgate engine`` and ``mmgate sidecar`` exit at start-up
   with a message naming the ``model_type`` and the families that exist.  (The
-  reference engine runs the Qwen2.5-Omni thinker itself, issue 23, so its case
-  uses the Omni copy renamed to a ``model_type`` neither side knows.)
+  reference engine runs the Qwen2.5-Omni thinker itself and mmgate serves it
+  (``mmgate.models.qwen_omni``), issue 23, so the nested case uses the Omni copy
+  renamed to a ``model_type`` neither side knows.)
 * A text-only bundle still loads, with no family.
 
 Test bundles are copies in ``tmp_path`` of the shared ones, config edited.
@@ -106,8 +107,8 @@ def unservable(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("unservable")
     return {
         "glm4v": copy_bundle(bundle_dir(MODEL), root / "test--renamed", model_type="glm4v"),
-        "qwen2_5_omni": copy_bundle(bundle_dir(OMNI), root / "test--omni"),
-        # the engine's family table runs qwen2_5_omni (refengine/families.py): a nested-config type it does not know
+        # both sides serve qwen2_5_omni (mmgate.models.qwen_omni, refengine/families.py): a nested-config type
+        # neither knows
         "qwen2_5_omni_preview": copy_bundle(bundle_dir(OMNI), root / "test--omni-renamed",
                                             model_type="qwen2_5_omni_preview"),
     }
@@ -124,7 +125,7 @@ def _command(name: str, bundle: Path) -> list[str]:
 
 
 @pytest.mark.parametrize(("model_type", "command"), [
-    ("qwen2_5_omni", "serve"), ("qwen2_5_omni_preview", "engine"), ("qwen2_5_omni", "sidecar"),
+    ("qwen2_5_omni_preview", "serve"), ("qwen2_5_omni_preview", "engine"), ("qwen2_5_omni_preview", "sidecar"),
     ("glm4v", "serve"), ("glm4v", "engine"),
 ])
 def test_a_media_bundle_no_family_serves_is_refused_at_start_up(
