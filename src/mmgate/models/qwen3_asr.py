@@ -53,12 +53,12 @@ from mmgate.errors import ErrorCode, GatewayError
 from mmgate.models.audio_features import WhisperMelParams, log_mel_features, qwen3_asr_audio_tokens
 from mmgate.models.backend import FrameSampling, ImageBackend
 from mmgate.models.bundle import ModelBundle
-from mmgate.models.family import MediaProcessor, processor_map
+from mmgate.models.family import AudioProcessor, MediaProcessor, processor_map
 from mmgate.models.llava import check_no_hints
 from mmgate.types import DecodedAudio, ItemHints, ItemPlan, Modality, Replacement, TensorLayout, TensorSpec
 
-__all__ = ["FAMILY", "LANGUAGE_CODE_TO_NAME", "Qwen3ASRAudio", "Qwen3ASRFamily", "resolve_language",
-           "strip_language_prefix", "transcription_messages"]
+__all__ = ["FAMILY", "LANGUAGE_CODE_TO_NAME", "Qwen3ASRAudio", "Qwen3ASRFamily", "StreamingTranscript",
+           "parse_transcript", "resolve_language", "strip_language_prefix", "transcription_messages"]
 
 #: clips per request (smg ``registry/qwen3_asr.rs`` ``modality_limits``: audio 10)
 AUDIO_LIMIT = 10
@@ -112,30 +112,87 @@ def transcription_messages(audio_part: Mapping[str, Any], language: str | None,
     return messages
 
 
+#: the tag between the language prefix and the transcript (``<asr_text>``, 151704, not special)
+ASR_TEXT_TAG = "<asr_text>"
+_LANGUAGE_PREFIX = "language "
+#: vLLM ``qwen3_asr.py`` ``_MAX_STREAMING_PREFIX_CHARS``: a text that looks like a prefix this long is held back
+_MAX_STREAMING_PREFIX_CHARS = 50
+
+
 def strip_language_prefix(text: str) -> str:
     """The transcript of a generated text: what follows the first ``<asr_text>``, stripped (the model writes
-    ``language {Name}<asr_text>`` first when no language was forced).  vLLM ``qwen3_asr.py``
-    ``Qwen3ASRForConditionalGeneration.post_process_output`` and transformers' ``_parse_single_output``
-    (without its repetition fix-up) agree on this; a text without the tag is returned stripped."""
-    _, tag, rest = text.partition("<asr_text>")
-    return (rest if tag else text).strip()
+    ``language {Name}<asr_text>`` first when no language was forced).  transformers 5.24 ``_parse_single_output``
+    (``extract_transcription``, without its repetition fix-up; vLLM ``_post_process_qwen3_asr_output`` cuts at
+    the last tag and does not strip); a text without the tag is returned stripped."""
+    return parse_transcript(text)[1]
 
 
-@dataclass(frozen=True, slots=True)
+def parse_transcript(text: str) -> tuple[str | None, str]:
+    """``(language, transcript)`` as transformers 5.24 ``_parse_single_output`` reads a decoded output (the
+    prefix's first line ``language X``; ``language None`` is None), without its repetition fix-up."""
+    text = text.strip()
+    prefix, tag, rest = text.partition(ASR_TEXT_TAG)
+    if not tag:
+        return None, text
+    prefix = prefix.strip()
+    language: str | None = None
+    for line in prefix.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        language = line[len(_LANGUAGE_PREFIX):].strip() if line.lower().startswith(_LANGUAGE_PREFIX) else line
+        break
+    if language is not None and language.lower() == "none":
+        language = None
+    return language or None, rest.strip()
+
+
+class StreamingTranscript:
+    """vLLM ``qwen3_asr.py`` ``Qwen3ASRStreamingPostProcessor.process_delta``: while the text so far could be
+    a ``language X<asr_text>`` prefix (it is a prefix of ``"language "``, or starts with it, under 50 characters
+    and without a newline) nothing is sent; once ``<asr_text>`` shows, what follows it is sent; a text that
+    turns out not to be structured is sent as it is.  The transcript is cut at the first tag (as
+    :func:`parse_transcript`) and its leading space dropped, so the streamed deltas join to the non-streamed
+    ``text`` up to trailing white space."""
+
+    def __init__(self) -> None:
+        self.raw = ""
+        self.emitted = ""
+        self.structured: bool | None = None
+
+    def feed(self, delta: str, finished: bool) -> str:
+        self.raw += delta
+        if self.structured is None:
+            head = self.raw.lstrip()
+            maybe = head == "" or _LANGUAGE_PREFIX.startswith(head) or (
+                head.startswith(_LANGUAGE_PREFIX) and len(head) < _MAX_STREAMING_PREFIX_CHARS and "\n" not in head)
+            if maybe and ASR_TEXT_TAG not in self.raw:
+                if not finished:
+                    return ""
+                self.structured = False
+            else:
+                self.structured = ASR_TEXT_TAG in self.raw
+        text = self.raw.partition(ASR_TEXT_TAG)[2] if self.structured else self.raw
+        text = text.lstrip()
+        if finished:
+            text = text.rstrip()
+        new = text[len(self.emitted):] if text.startswith(self.emitted) else ""
+        self.emitted = text if text.startswith(self.emitted) else self.emitted
+        return new
+
+
+@dataclass(slots=True)  # not frozen: the protocol's attributes are plain (settable) ones
 class Qwen3ASRAudio:
     """The audio processor: Whisper log-mel with Qwen3-ASR's settings, the ``<|audio_pad|>`` run."""
 
     model_type: str
     params: WhisperMelParams
     audio_token_id: int  # <|audio_pad|>: the anchor the template leaves and every token of the run
+    sampling_rate: int = 16000  # Hz: ``params.sampling_rate`` (the protocol's attribute)
     n_window: int = N_WINDOW
     modality: Modality = Modality.AUDIO
     specs: tuple[TensorSpec, ...] = _SPECS
     device_normalizable: bool = False
-
-    @property
-    def sampling_rate(self) -> int:
-        return self.params.sampling_rate
 
     @property
     def anchor_token_id(self) -> int:
@@ -198,7 +255,8 @@ class Qwen3ASRFamily:
         self.audio = audio
         self.limits: Mapping[Modality, int] = {Modality.AUDIO: AUDIO_LIMIT}
         self._reserved = reserved
-        self._processors: Mapping[Modality, MediaProcessor] = processor_map(audio)
+        proc: AudioProcessor = audio
+        self._processors: Mapping[Modality, MediaProcessor] = processor_map(proc)
 
     @property
     def processors(self) -> Mapping[Modality, MediaProcessor]:
@@ -222,13 +280,29 @@ class Qwen3ASRFamily:
     def video(self) -> None:
         return None
 
+    # --- transcription (mmgate.models.family.Transcriber) ---
+
+    def transcription_messages(self, audio_part: Mapping[str, object], language: str | None,
+                               prompt: str | None) -> list[dict[str, object]]:
+        return transcription_messages(audio_part, language, prompt)  # type: ignore[return-value]
+
+    def transcript(self, generated: str) -> tuple[str | None, str]:
+        return parse_transcript(generated)
+
+    def transcript_stream(self) -> StreamingTranscript:
+        return StreamingTranscript()
+
+    def clip_seconds(self, plan: ItemPlan) -> float:
+        return plan.detail[0] / self.audio.sampling_rate
+
     @classmethod
     def from_bundle(cls, bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageBackend,
                     video_backend: ImageBackend | None = None,
                     video_sampling: FrameSampling = FrameSampling.VLLM) -> Qwen3ASRFamily:
         """Read the extractor settings and the audio token ids from ``bundle`` (the backends do not apply)."""
         cfg = bundle.config
-        thinker = cfg.get("thinker_config") if isinstance(cfg.get("thinker_config"), dict) else cfg
+        nested = cfg.get("thinker_config")
+        thinker: Mapping[str, Any] = nested if isinstance(nested, dict) else cfg
         tok = bundle.tokenizer_config
         pad = str(tok.get("audio_token", "<|audio_pad|>"))
         audio_id = thinker.get("audio_token_id", tokenizer.token_id(pad))
@@ -236,7 +310,7 @@ class Qwen3ASRFamily:
             raise ValueError(f"{bundle.name}: no audio token id in config.json or the tokenizer")
         params = WhisperMelParams.from_config(_extractor_config(bundle), pad_to_max_length=False,
                                               contiguous_magnitudes=False)
-        audio = Qwen3ASRAudio(bundle.model_type, params, int(audio_id))
+        audio = Qwen3ASRAudio(bundle.model_type, params, int(audio_id), params.sampling_rate)
         reserved = tuple(str(tok.get(k, d)) for k, d in (("audio_bos_token", "<|audio_start|>"), ("audio_token", pad),
                                                           ("audio_eos_token", "<|audio_end|>")))
         return cls(audio, reserved)
