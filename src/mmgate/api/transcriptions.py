@@ -292,7 +292,8 @@ async def answer_transcription(served: ServedModel, form: TranscriptionForm) -> 
         return PlainTextResponse(text, headers=answer.headers)
     if form.response_format == "verbose_json":
         seconds = sum(transcriber.clip_seconds(p) for p in answer.prepared.plans)
-        language = (form.language if detected is None else detected) or ""
+        forced = transcriber.language_name(form.language) if form.language is not None else None
+        language = forced or detected or ""
         body: dict[str, Any] = {"task": "transcribe", "language": language.lower(), "duration": seconds,
                                 "text": text, "segments": [], "usage": {"type": "duration", "seconds": seconds}}
         return JSONResponse(body, headers=answer.headers)

@@ -470,6 +470,14 @@ class Transcriber(Protocol):
         """
         ...
 
+    def language_name(self, language: str) -> str:
+        """The name the model knows ``language`` (a code or a name) by.
+
+        Raises:
+            GatewayError(INVALID_REQUEST): a language the model does not take (param ``language``).
+        """
+        ...
+
     def transcript(self, generated: str) -> tuple[str | None, str]:
         """``(language name or None, transcript)`` of the generated text (prefix markers removed)."""
         ...

@@ -286,6 +286,9 @@ class Qwen3ASRFamily:
                                prompt: str | None) -> list[dict[str, object]]:
         return transcription_messages(audio_part, language, prompt)  # type: ignore[return-value]
 
+    def language_name(self, language: str) -> str:
+        return resolve_language(language)
+
     def transcript(self, generated: str) -> tuple[str | None, str]:
         return parse_transcript(generated)
 
