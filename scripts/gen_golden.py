@@ -27,6 +27,8 @@ transformers.  One fixture per entry of :data:`FIXTURES` (the reference side of 
   bfloat16 ``pixel_values`` as float32 sha256 and probes; conversations from
   ``apply_chat_template(tokenize=True)``.
 * ``internvl.json``: InternVL3 crops + thumbnail, conversations and clips (``scripts/golden_internvl.py``).
+* ``qwen3_asr.json``: Qwen3-ASR audio clips (valid frames, tokens, feature sha256) and transcription prompts
+  (``scripts/golden_qwen3_asr.py``).
 
 Both image backends everywhere (``torchvision``: ``AutoProcessor.from_pretrained(bundle)
 .image_processor``; ``pil``: ``AutoImageProcessor.from_pretrained(bundle, backend="pil")``).
@@ -60,6 +62,7 @@ from golden_reference import gemma3_golden, llava_golden, qwen_vl_golden  # noqa
 from golden_llava_onevision import onevision_golden  # noqa: E402
 from golden_llama4 import llama4_golden  # noqa: E402
 from golden_internvl import internvl_golden  # noqa: E402
+from golden_qwen3_asr import qwen3_asr_golden  # noqa: E402
 from parity_support import GOLDEN_DIR  # noqa: E402
 
 #: fixture name (``golden/<name>.json``) -> the builder of its content
@@ -71,6 +74,7 @@ FIXTURES: dict[str, Callable[[], dict]] = {
     "llava_onevision": onevision_golden,
     "llama4": llama4_golden,
     "internvl": internvl_golden,
+    "qwen3_asr": qwen3_asr_golden,
 }
 
 
