@@ -198,3 +198,11 @@ def test_language_prefix_is_stripped_as_the_processor_parses_it() -> None:
     for raw in ("language English<asr_text>Hello there.", "Hello there.", "language None<asr_text>",
                 " language Chinese<asr_text> 你好 "):
         assert strip_language_prefix(raw) == proc.extract_transcription(raw)
+
+
+def test_continue_final_message_with_add_generation_prompt_is_refused_as_vllm_does() -> None:
+    body = {"model": "asr", "continue_final_message": True,
+            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "language"}]}
+    with pytest.raises(GatewayError) as err:
+        parse_chat_request(json.dumps(body).encode())  # add_generation_prompt defaults to true
+    assert err.value.status == 400 and err.value.param == "continue_final_message"
