@@ -206,6 +206,11 @@ def test_refusals_through_http(stack: Stack) -> None:
     error_of(post(stack.base, {"model": "asr", "timestamp_granularities[]": "word"}, clip), 400, "invalid_request",
              "timestamp_granularities[]")
     error_of(post(stack.base, {"model": "asr"}, b"RIFF" + b"\0" * 40), 400, "audio_decode_failed", "file")
+    # a field past 64 KiB is refused by the form parser
+    error_of(post(stack.base, {"model": "asr", "prompt": "x" * 70_000}, clip), 400, "invalid_request", None)
+    # a sampling value the chat path refuses keeps its own name
+    error_of(post(stack.base, {"model": "asr", "max_completion_tokens": "0"}, clip), 400, "invalid_request",
+             "max_completion_tokens")
     error_of(httpx.post(stack.base + PATH, json={"model": "asr"}, timeout=30), 415, "unsupported_media_type", None)
 
 

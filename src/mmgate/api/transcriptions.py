@@ -184,13 +184,10 @@ def transcriber_of(served: ServedModel) -> Transcriber:
     return family
 
 
-def chat_body(form: TranscriptionForm, transcriber: Transcriber) -> bytes:
-    """The chat request a transcription runs as (the clip an ``input_audio`` part; the last message continued)."""
-    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(form.data).decode("ascii"),
-                                                   "format": form.format}}
-    body: dict[str, Any] = {
-        "model": form.model, "messages": transcriber.transcription_messages(part, form.language, form.prompt),
-        "add_generation_prompt": False, "continue_final_message": True, "stream": form.stream}
+def chat_body(form: TranscriptionForm, messages: list[dict[str, Any]]) -> bytes:
+    """The chat request a transcription runs as (its ``messages``; the last message continued)."""
+    body: dict[str, Any] = {"model": form.model, "messages": messages, "add_generation_prompt": False,
+                            "continue_final_message": True, "stream": form.stream}
     if form.temperature is not None:
         body["temperature"] = form.temperature
     if form.max_completion_tokens is not None:
@@ -198,11 +195,14 @@ def chat_body(form: TranscriptionForm, transcriber: Transcriber) -> bytes:
     return json.dumps(body).encode()
 
 
-def _as_file_error(exc: GatewayError) -> GatewayError:
-    """A refusal of the clip named as the form's ``file`` (the chat path names ``messages[...]``)."""
-    if exc.param and exc.param.startswith("messages"):
-        return GatewayError(exc.code, exc.message, "file")
-    return exc
+def _as_form_error(exc: GatewayError, messages: list[dict[str, Any]]) -> GatewayError:
+    """A refusal the chat path names ``messages[...]`` renamed to the form's field: the user message (the clip)
+    is ``file``, the others (the system prompt, the prefill) ``prompt``."""
+    if not exc.param or not exc.param.startswith("messages"):
+        return exc
+    user = next(i for i, m in enumerate(messages) if m.get("role") == "user")
+    field = "file" if exc.param.startswith(f"messages[{user}]") else "prompt"
+    return GatewayError(exc.code, exc.message, field)
 
 
 def _usage(answer: EngineAnswer, prompt_tokens: int, output_tokens: int) -> dict[str, Any]:
@@ -273,11 +273,13 @@ async def _stream(answer: EngineAnswer, served: ServedModel, transcriber: Transc
 async def answer_transcription(served: ServedModel, form: TranscriptionForm) -> Response:
     """Run the transcription on ``served`` and render it in ``form.response_format``."""
     transcriber = transcriber_of(served)
-    req = parse_chat_request(chat_body(form, transcriber))
+    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(form.data).decode("ascii"),
+                                                   "format": form.format}}
+    messages = transcriber.transcription_messages(part, form.language, form.prompt)
     try:
-        answer = await start_chat(served, req)
+        answer = await start_chat(served, parse_chat_request(chat_body(form, messages)))
     except GatewayError as exc:
-        raise _as_file_error(exc) from None
+        raise _as_form_error(exc, messages) from None
     if form.stream:
         return EngineStreamingResponse(_stream(answer, served, transcriber), answer.release, answer.rest,
                                        answer.headers)
