@@ -14,8 +14,8 @@ routing and the engine call are the chat path's; the generated text is read back
 ``language X<asr_text>`` prefix removed, as vLLM's Qwen3-ASR ``post_process_output`` and its streaming
 post-processor do).
 
-Bounds: the body is refused unread past ``--audio-max-input-bytes`` plus :data:`FORM_OVERHEAD` bytes
-(declared ``Content-Length``; else while it streams), a body that is not ``multipart/form-data`` with 415
+Bounds: the body is refused unread past ``--audio-max-input-bytes`` plus :data:`FORM_OVERHEAD` bytes, or
+``--max-request-body-bytes`` when set (declared ``Content-Length``; else while it streams), a body that is not ``multipart/form-data`` with 415
 before any byte is read; the form is parsed by Starlette's ``MultiPartParser`` (python-multipart) with one
 file at most, :data:`MAX_FIELDS` fields of :data:`MAX_FIELD_BYTES` bytes at most; the file itself is bounded
 by ``--audio-max-input-bytes`` (413 ``media_too_large``).  Keys: ``/v1`` paths, :mod:`mmgate.api.keys`.
@@ -306,7 +306,7 @@ async def answer_transcription(served: ServedModel, form: TranscriptionForm) -> 
 def register_transcriptions(app: FastAPI, state: GatewayState) -> None:
     """Add ``POST /v1/audio/transcriptions`` to ``app``."""
     max_file = state.settings.fetch.audio_max_bytes
-    limit = max_file + FORM_OVERHEAD
+    limit = state.settings.max_request_body_bytes or max_file + FORM_OVERHEAD  # --max-request-body-bytes wins
 
     @app.post(PATH)
     async def transcriptions(request: Request) -> Response:
