@@ -196,6 +196,15 @@ def post(base: str, fields: dict[str, str], file: bytes | None = b"", headers: d
     return httpx.post(base + PATH, data=fields, files=files, headers=headers, timeout=60)
 
 
+def test_refusals_through_the_openai_client(stack: Stack) -> None:
+    with pytest.raises(openai.NotFoundError) as missing:
+        stack.client.audio.transcriptions.create(model="no-such-model", file=("clip.wav", wav_bytes(CLIP)))
+    assert missing.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as corrupt:
+        stack.client.audio.transcriptions.create(model="asr", file=("clip.wav", b"RIFF" + b"\0" * 40))
+    assert corrupt.value.code == "audio_decode_failed" and corrupt.value.param == "file"
+
+
 def test_refusals_through_http(stack: Stack) -> None:
     clip = wav_bytes(CLIP)
     error_of(post(stack.base, {"model": "no-such-model"}, clip), 404, "model_not_found", "model")
