@@ -29,6 +29,8 @@ transformers.  One fixture per entry of :data:`FIXTURES` (the reference side of 
 * ``internvl.json``: InternVL3 crops + thumbnail, conversations and clips (``scripts/golden_internvl.py``).
 * ``qwen_omni.json`` (Qwen2.5-Omni, Qwen3-Omni): the ``qwen_vl.json`` rows and conversations for the Omni
   bundles' images (``Qwen2VLImageProcessor``; audio parity is tests/families/test_qwen_omni.py's).
+* ``qwen3_asr.json``: Qwen3-ASR audio clips (valid frames, tokens, feature sha256) and transcription prompts
+  (``scripts/golden_qwen3_asr.py``).
 
 Both image backends everywhere (``torchvision``: ``AutoProcessor.from_pretrained(bundle)
 .image_processor``; ``pil``: ``AutoImageProcessor.from_pretrained(bundle, backend="pil")``).
@@ -62,6 +64,7 @@ from golden_reference import gemma3_golden, llava_golden, qwen_vl_golden  # noqa
 from golden_llava_onevision import onevision_golden  # noqa: E402
 from golden_llama4 import llama4_golden  # noqa: E402
 from golden_internvl import internvl_golden  # noqa: E402
+from golden_qwen3_asr import qwen3_asr_golden  # noqa: E402
 from parity_support import GOLDEN_DIR, QWEN_OMNI_BUNDLES  # noqa: E402
 
 #: fixture name (``golden/<name>.json``) -> the builder of its content
@@ -74,6 +77,7 @@ FIXTURES: dict[str, Callable[[], dict]] = {
     "llama4": llama4_golden,
     "internvl": internvl_golden,
     "qwen_omni": lambda: qwen_vl_golden(QWEN_OMNI_BUNDLES),
+    "qwen3_asr": qwen3_asr_golden,
 }
 
 

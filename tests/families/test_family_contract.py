@@ -10,7 +10,9 @@ For every ``model_type`` in ``mmgate.models.registry.FAMILY_BY_MODEL_TYPE``:
 * ``expand(plan)`` holds exactly ``plan.num_tokens`` embedding tokens (token-level: in its
   placeholder range; text-level: in its text), and is text-level exactly when ``Family.text_updates``
   lists images;
-* a pixel-cache hit gives the bytes a miss gives (through the pipeline).
+* a pixel-cache hit gives the bytes a miss gives (through the pipeline);
+* an audio-only family (Qwen3-ASR) keeps the same contract for clips (:func:`_audio_contract`, the cache test
+  with ``input_audio`` parts).
 Family-specific numbers (token counts, sizes) are checked against the reference by each
 family's golden and live tiers, not here.
 """
@@ -82,6 +84,9 @@ def test_preprocess_and_expansion_agree_with_the_plan(model_type: str, backend: 
     """Family-neutral: every tensor share has the shape the plan announced, the batch is laid out as
     the specs say, and the prompt update holds exactly ``num_tokens`` embedding tokens."""
     family, _ = family_for(model_type, backend)
+    if Modality.IMAGE not in family.processors:  # an audio-only family (Qwen3-ASR)
+        _audio_contract(model_type, family)
+        return
     proc = family.image
     assert proc is not None and proc.modality is Modality.IMAGE
     assert [s.primary for s in proc.specs].count(True) == 1 and proc.specs[0].primary
@@ -150,10 +155,16 @@ def test_pixel_cache_hit_equals_miss(model_type: str) -> None:
     family, entry = family_for(model_type, BACKENDS[0])
     bundle = load_bundle(Path(find_bundle_dir(entry["bundle"])))
     runtime = ModelRuntime(bundle=bundle, tokenizer=load_tokenizer(bundle), family=family, served_name=model_type)
-    first = ImageSpec(97, 61, "RGB", 900).encode()
-    urls = [f"data:image/png;base64,{base64.b64encode(b).decode()}"
-            for b in (first, ImageSpec(640, 480, "RGB", 901).encode(), first)]
-    parts = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    modality = Modality.IMAGE if Modality.IMAGE in family.processors else Modality.AUDIO
+    if modality is Modality.IMAGE:
+        first = ImageSpec(97, 61, "RGB", 900).encode()
+        urls = [f"data:image/png;base64,{base64.b64encode(b).decode()}"
+                for b in (first, ImageSpec(640, 480, "RGB", 901).encode(), first)]
+        parts = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    else:
+        clips = [_wav(12_345, 900), _wav(4_000, 901)]
+        parts = [{"type": "input_audio", "input_audio": {"data": base64.b64encode(c).decode(), "format": "wav"}}
+                 for c in (clips[0], clips[1], clips[0])]
     body = {"model": model_type, "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "?"}]}]}
     cache = PixelCache(256 * 1024 * 1024)
     settings = Settings(model=model_type, image_backend=BACKENDS[0])
@@ -162,7 +173,7 @@ def test_pixel_cache_hit_equals_miss(model_type: str) -> None:
 
         def run() -> np.ndarray:
             prepared = asyncio.run(pipe.prepare(parse_chat_request(json.dumps(body).encode())))
-            batch = next(b for b in prepared.batches if b.modality is Modality.IMAGE)
+            batch = next(b for b in prepared.batches if b.modality is modality)
             return batch.tensors[batch.primary_key]
 
         miss = run()
@@ -213,3 +224,55 @@ def test_audio_plan_preprocess_and_expansion_agree(model_type: str) -> None:
     for k, share in enumerate(shares):
         if proc.specs[0].layout is TensorLayout.BATCHED:
             assert np.array_equal(primary[k][tuple(slice(0, d) for d in share.shape)], share)
+
+
+def _wav(samples: int, seed: int) -> bytes:
+    """A 16 kHz mono 16-bit WAV of seeded noise."""
+    import io
+    import wave
+
+    pcm = (np.random.default_rng(seed).standard_normal(samples) * 3000).astype(np.int16)
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(pcm.tobytes())
+    return buf.getvalue()
+
+
+def _audio_contract(model_type: str, family) -> None:  # noqa: ANN001 - a Family
+    """The audio side of the contract: shares of the planned shapes, the batch laid out by the specs, the update
+    holding ``num_tokens`` placeholder tokens in its range (the image contract, for clips)."""
+    from mmgate.media.audio import decode_audio
+    from mmgate.types import ItemHints
+
+    proc = family.processors[Modality.AUDIO]
+    assert [s.primary for s in proc.specs].count(True) == 1 and proc.specs[0].primary
+    names = [s.name for s in proc.specs]
+    plans, shares = [], []
+    for i, samples in enumerate((1, 160, 7_999, 8_000, 24_037, 96_000)):
+        audio = decode_audio(_wav(samples, 700 + i), proc.sampling_rate, max_input_bytes=10**9, max_duration_s=600.0,
+                             timeout_s=60.0)
+        plan = proc.plan(audio, ItemHints())
+        label = f"{model_type} {samples} samples: plan {plan}"
+        assert [n for n, _ in plan.shapes] == names, label
+        share = proc.preprocess(audio, plan)
+        assert share.dtype == np.float32 and share.shape == plan.primary_shape, label
+        for name, array in proc.plan_tensors(plan).items():
+            assert np.asarray(array).shape == plan.shape(name), (label, name)
+        rep = proc.expand(plan)
+        assert rep.text is None and Modality.AUDIO not in family.text_updates, label
+        window = rep.token_ids[rep.embed_offset:rep.embed_offset + rep.embed_length]
+        assert rep.embed_length >= plan.num_tokens > 0, label
+        assert window.count(proc.placeholder_token_id) == plan.num_tokens, label
+        plans.append(plan)
+        shares.append(share)
+    batch = assemble(proc, plans, shares)
+    assert batch.primary_key == names[0]
+    for spec in proc.specs:
+        tensor = batch.tensors[spec.name]
+        assert tensor.dtype == np.dtype(spec.dtype), spec.name
+        assert spec.layout is TensorLayout.BATCHED and tensor.shape[0] == len(plans), spec.name
+    for k, share in enumerate(shares):
+        assert np.array_equal(batch.tensors[batch.primary_key][k][tuple(slice(0, d) for d in share.shape)], share)

@@ -1,7 +1,8 @@
 """The FastAPI app factory: the endpoints, the one error handler, the gateway's own routes.
 
 Routes: ``POST /v1/chat/completions`` (:mod:`mmgate.api.chat_completions`), ``POST /v1/responses``
-(:mod:`mmgate.api.openai_responses`), ``POST /v1/messages`` (Anthropic shapes, errors included;
+(:mod:`mmgate.api.openai_responses`), ``POST /v1/audio/transcriptions`` (:mod:`mmgate.api.transcriptions`),
+``POST /v1/messages`` (Anthropic shapes, errors included;
 :mod:`mmgate.api.anthropic`), the worker routes ``/workers`` and ``/workers/{id}`` (:mod:`mmgate.api.admin`),
 each registered on the app by its module; ``GET /v1/models`` (every served model, with its modalities),
 ``GET /health``, ``GET /metrics`` here.  The state they share is
@@ -35,6 +36,7 @@ from mmgate.api.chat_completions import register_chat_completions
 from mmgate.api.http import body_limit_for, error_response, framework_error
 from mmgate.api.keys import KeyGuard
 from mmgate.api.openai_responses import register_responses
+from mmgate.api.transcriptions import register_transcriptions
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.gateway.state import GatewayState
 from mmgate.pipeline.runtime import ModelRuntime
@@ -101,6 +103,7 @@ def create_app(state: GatewayState) -> FastAPI:
     register_chat_completions(app, state, body_limit)
     register_responses(app, state, body_limit)
     register_anthropic(app, state, body_limit)
+    register_transcriptions(app, state)
     register_admin(app, state)
 
     @app.exception_handler(GatewayError)

@@ -78,8 +78,10 @@ def require_json(request: Request) -> None:
         raise GatewayError(ErrorCode.UNSUPPORTED_MEDIA_TYPE, "the request body must be Content-Type: application/json")
 
 
-async def read_body(request: Request, limit: int, http: HttpSettings = HttpSettings()) -> bytes:
-    """The JSON request body (:func:`require_json` first), read within ``http``'s deadlines.
+async def read_body(request: Request, limit: int, http: HttpSettings = HttpSettings(),
+                    require: Callable[[Request], None] = require_json) -> bytes:
+    """The JSON request body (:func:`require_json` first; another content-type check with ``require``), read
+    within ``http``'s deadlines.
 
     Each wait for the next chunk is bounded by ``http.body_idle_timeout_s`` and the whole body by
     ``http.body_timeout_s`` (from the first read); the response to a refusal here closes the
@@ -91,7 +93,7 @@ async def read_body(request: Request, limit: int, http: HttpSettings = HttpSetti
         GatewayError(REQUEST_TIMEOUT): 408, the body stalled or took too long.
         GatewayError(CLIENT_DISCONNECTED): the client left mid-upload (logged at INFO; no answer reaches it).
     """
-    require_json(request)
+    require(request)
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise GatewayError(ErrorCode.REQUEST_TOO_LARGE, f"request body exceeds {limit} bytes")
@@ -160,12 +162,13 @@ class RequestBody:
 
 
 @asynccontextmanager
-async def request_body(state: GatewayState, request: Request, limit: int) -> AsyncIterator[RequestBody]:
+async def request_body(state: GatewayState, request: Request, limit: int,
+                       require: Callable[[Request], None] = require_json) -> AsyncIterator[RequestBody]:
     """The request's body (:func:`read_body` within ``state.settings.http``'s deadlines), held by the idle
     trimmer while the request runs: a large body (a huge prompt) leaves freed heap behind that the
     trimmer returns once the gateway is idle.  Every POST endpoint reads its body through this and hands
     its response to :meth:`RequestBody.answer`, so a streamed answer keeps the hold to its end."""
-    data = await read_body(request, limit, state.settings.http)
+    data = await read_body(request, limit, state.settings.http, require)
     trimmer = state.budget.trimmer
     body = RequestBody(data, trimmer.hold(len(data)) if trimmer is not None else None)
     try:

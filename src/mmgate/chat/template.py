@@ -183,6 +183,7 @@ def render_chat(
     add_generation_prompt: bool = True,
     tools: Sequence[Mapping[str, Any]] | None = None,
     extra: Mapping[str, Any] | None = None,
+    continue_final_message: bool = False,
 ) -> str:
     """Render ``messages`` into the prompt text.
 
@@ -197,6 +198,8 @@ def render_chat(
         tools: tool schemas, if any.
         extra: further template variables (``chat_template_kwargs``); they
             override special tokens, as in transformers.
+        continue_final_message: the prompt ends where the last message's text ends
+            (:func:`_continue_final_message`).
 
     Raises:
         GatewayError(INVALID_REQUEST): the template raised (``raise_exception``)
@@ -204,8 +207,10 @@ def render_chat(
     """
     compiled = compile_template(template)
     variables: dict[str, Any] = {**special_tokens, **(extra or {})}
+    if continue_final_message:
+        messages = _tag_final_message(messages)
     try:
-        return compiled.render(
+        rendered = compiled.render(
             messages=_alias_reasoning(messages),
             tools=list(tools) if tools else None,
             documents=None,
@@ -216,3 +221,53 @@ def render_chat(
         raise GatewayError(ErrorCode.INVALID_REQUEST, f"chat template refused the conversation: {exc}") from None
     except (TypeError, KeyError, AttributeError, ValueError) as exc:
         raise GatewayError(ErrorCode.INVALID_REQUEST, f"chat template failed on these messages ({type(exc).__name__})") from None
+    return _cut_at_tag(rendered) if continue_final_message else rendered
+
+
+#: transformers 5.24 ``utils/chat_template_utils.py`` ``render_jinja_template``'s ``continue_final_message_tag``
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tag_final_message(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with the tag appended to the last message's text (its last text part, or its string
+    content), as transformers 5.24 ``render_jinja_template`` does for ``continue_final_message=True``.
+
+    Raises:
+        GatewayError(INVALID_REQUEST): no messages, or a last message without text to continue.
+    """
+    if not messages:
+        raise GatewayError(ErrorCode.INVALID_REQUEST, "continue_final_message needs a message to continue", "messages")
+    last = dict(messages[-1])
+    content = last.get("content")
+    if isinstance(content, str):
+        last["content"] = content + _CONTINUE_TAG
+    elif isinstance(content, list):
+        parts = [dict(p) if isinstance(p, Mapping) else p for p in content]
+        for part in reversed(parts):
+            if isinstance(part, dict) and "text" in part:
+                part["text"] = str(part["text"]) + _CONTINUE_TAG
+                break
+        else:
+            raise GatewayError(ErrorCode.INVALID_REQUEST, "continue_final_message is set but the final message has "
+                               "no text to continue", "messages")
+        last["content"] = parts
+    else:
+        raise GatewayError(ErrorCode.INVALID_REQUEST, "continue_final_message is set but the final message has no "
+                           "content to continue", "messages")
+    return [*(dict(m) for m in messages[:-1]), last]
+
+
+def _cut_at_tag(rendered: str) -> str:
+    """The rendered prompt up to the tag (transformers: cut at its last occurrence; when the template trimmed
+    the space after it, the text before it is right-stripped too).
+
+    Raises:
+        GatewayError(INVALID_REQUEST): the template dropped the final message's text.
+    """
+    loc = rendered.rfind(_CONTINUE_TAG.strip())
+    if loc < 0:
+        raise GatewayError(ErrorCode.INVALID_REQUEST, "continue_final_message is set but the chat template drops the "
+                           "final message", "messages")
+    if rendered[loc:loc + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return rendered[:loc]
+    return rendered[:loc].rstrip()

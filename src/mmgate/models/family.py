@@ -56,8 +56,8 @@ from mmgate.types import (
 )
 
 __all__ = ["AudioProcessor", "Family", "FamilyClass", "ImageOnlyFamily", "ImageProcessor", "ImageVideoFamily",
-           "MediaProcessor", "RowSink", "RowWriter", "VideoProcessor", "VideoRowWriter", "assemble", "combine",
-           "deferrable", "primary_spec", "processor", "processor_map"]
+           "MediaProcessor", "RowSink", "RowWriter", "Transcriber", "TranscriptStream", "VideoProcessor",
+           "VideoRowWriter", "assemble", "combine", "deferrable", "primary_spec", "processor", "processor_map"]
 
 
 class _Processor(Protocol):
@@ -464,3 +464,47 @@ def assemble(proc: MediaProcessor, plans: Sequence[ItemPlan] | Sequence[VideoPla
         tensors[spec.name] = combine(spec, parts).astype(spec.dtype, copy=False)
     return EncoderBatch(modality=proc.modality, tensors=tensors, specs=proc.specs,
                         placeholder_token_id=proc.placeholder_token_id)
+
+
+@runtime_checkable
+class Transcriber(Protocol):
+    """Optional for a family with an audio processor whose model transcribes (``POST /v1/audio/transcriptions``):
+    the conversation of a transcription request, rendered with ``continue_final_message``, and the reading of
+    what the model generated (smg's ``TranscriptionFamily``: prompt, assistant prefill, parse)."""
+
+    def transcription_messages(self, audio_part: Mapping[str, object], language: str | None,
+                               prompt: str | None) -> list[dict[str, object]]:
+        """Chat messages (``audio_part`` an ``input_audio`` chat part) whose last one is continued.
+
+        Raises:
+            GatewayError(INVALID_REQUEST): a ``language`` the model does not take (param ``language``).
+        """
+        ...
+
+    def language_name(self, language: str) -> str:
+        """The name the model knows ``language`` (a code or a name) by.
+
+        Raises:
+            GatewayError(INVALID_REQUEST): a language the model does not take (param ``language``).
+        """
+        ...
+
+    def transcript(self, generated: str) -> tuple[str | None, str]:
+        """``(language name or None, transcript)`` of the generated text (prefix markers removed)."""
+        ...
+
+    def transcript_stream(self) -> TranscriptStream:
+        """A fresh incremental reader of one generation's text."""
+        ...
+
+    def clip_seconds(self, plan: ItemPlan) -> float:
+        """The duration of the clip ``plan`` was made for (its samples over the extractor's rate)."""
+        ...
+
+
+class TranscriptStream(Protocol):
+    """Turns the text deltas of one generation into transcript deltas (markers held back and removed)."""
+
+    def feed(self, delta: str, finished: bool) -> str:
+        """The transcript text that ``delta`` makes safe to send (the rest when ``finished``)."""
+        ...

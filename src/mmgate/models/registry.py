@@ -29,7 +29,7 @@ __all__ = ["FAMILY_BY_MODEL_TYPE", "FAMILY_MODULES", "Family", "FamilyClass", "c
 #: the family modules of ``mmgate.models``, each exporting ``FAMILY`` (its family class); adding a
 #: family = one module + its name here + its golden file + its row in the contract test
 FAMILY_MODULES: tuple[str, ...] = ("qwen_vl", "gemma3", "llava", "llava_next", "llava_onevision", "llama4", "internvl",
-                                     "qwen_omni")
+                                     "qwen_omni", "qwen3_asr")
 
 _FAMILIES: tuple[type, ...] = tuple(importlib.import_module(f"mmgate.models.{name}").FAMILY
                                     for name in FAMILY_MODULES)

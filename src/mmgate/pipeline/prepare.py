@@ -272,7 +272,7 @@ class Pipeline:
                 raise GatewayError(ErrorCode.INVALID_REQUEST, "model has no chat template")
             prompt = render_chat(runtime.bundle.chat_template, safe.messages, runtime.tokenizer.special_tokens,
                                  add_generation_prompt=req.add_generation_prompt, extra=safe.template_kwargs,
-                                 tools=safe.tools)
+                                 tools=safe.tools, continue_final_message=req.continue_final_message)
             segments = safe.segments(prompt)
             if safe.typed:
                 prompt = "".join(text for text, _ in segments)

@@ -217,6 +217,10 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=T
     ignore_eos: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    #: vLLM's chat request field (``ChatCompletionRequest.continue_final_message``): the prompt ends inside the
+    #: last message, which it continues (transformers ``apply_chat_template(continue_final_message=True)``,
+    #: :func:`mmgate.chat.template.render_chat`); not with ``add_generation_prompt`` (vLLM refuses both)
+    continue_final_message: bool = False
     #: vLLM's chat request field (``vllm/entrypoints/openai/chat_completion/protocol.py``
     #: ``ChatCompletionRequest.add_special_tokens``, passed to ``tokenizer.encode`` by its renderer):
     #: true, the tokenizer's post-processor adds its special tokens (BOS) to the rendered prompt, even
@@ -314,6 +318,10 @@ def decode_chat_request(body: bytes) -> ChatCompletionRequest:
         raise GatewayError(ErrorCode.INVALID_REQUEST, _TOO_DEEP) from None
     if not req.messages:
         raise GatewayError(ErrorCode.INVALID_REQUEST, "messages must not be empty", "messages")
+    if req.continue_final_message and req.add_generation_prompt:
+        # vLLM ChatCompletionRequest.check_generation_prompt
+        raise GatewayError(ErrorCode.INVALID_REQUEST, "Cannot set both continue_final_message and "
+                           "add_generation_prompt to true", "continue_final_message")
     _check_sampling(req)
     _check_more_sampling(req)
     _check_messages(req)
