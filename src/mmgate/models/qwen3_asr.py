@@ -36,7 +36,7 @@ Wire (TokenSpeed): one AUDIO item per clip, as smg's ``qwen3_asr.rs`` lays it ou
 (``frames`` the longest clip of the request: a shorter clip's share is zero-padded, its length says where it
 ends), ``feature_attention_mask`` int64 ``[1, frames]``, ``audio_feature_lengths`` int64 ``[1]``.
 
-Limit: 10 clips per request, smg's ``Qwen3AsrSpec::modality_limits`` (audio 10; /work notes audio_wire.md 1.1).
+Limit: 10 clips per request, smg's ``Qwen3AsrSpec::modality_limits`` (audio 10; see docs/families.md).
 """
 
 from __future__ import annotations
@@ -250,10 +250,11 @@ class Qwen3ASRFamily:
     mrope = False
     vllm_video_ids = False
     text_updates: frozenset[Modality] = frozenset()
+    #: items per request (smg's, module docstring)
+    limits: Mapping[Modality, int] = {Modality.AUDIO: AUDIO_LIMIT}
 
     def __init__(self, audio: Qwen3ASRAudio, reserved: tuple[str, ...]) -> None:
         self.audio = audio
-        self.limits: Mapping[Modality, int] = {Modality.AUDIO: AUDIO_LIMIT}
         self._reserved = reserved
         proc: AudioProcessor = audio
         self._processors: Mapping[Modality, MediaProcessor] = processor_map(proc)
