@@ -102,11 +102,13 @@ def _log_busy(limit: int) -> None:
         log.warning("more than %d open connections: new ones get 503 server_busy", limit)
 
 
-class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a header deadline and a connection cap (see the module docstring).
+class _HeaderGuard:
+    """The guards both HTTP protocols share (see the module docstring): a header deadline armed while a
+    connection waits for a request's headers, and a connection cap answered by :func:`busy_app`.
 
-    ``header_timeout_s`` and ``max_connections`` are class attributes; :func:`protocol_for` binds
-    them to one :class:`HttpSettings` in a subclass, which is what ``uvicorn.Config(http=...)`` takes.
+    ``header_timeout_s`` and ``max_connections`` are class attributes; :func:`protocol_for` binds them to one
+    :class:`HttpSettings` in a subclass, which is what ``uvicorn.Config(http=...)`` takes.  Mixed in before
+    uvicorn's protocol class, whose ``cycle``, ``transport``, ``loop``, ``connections`` and ``app`` it reads.
     """
 
     header_timeout_s: ClassVar[float] = 10.0
@@ -115,13 +117,62 @@ class GuardedH11Protocol(H11Protocol):
     _header_timer: asyncio.TimerHandle | None = None
     _armed_cycle: object = None  # the request cycle current when the deadline was armed
     _partial: bool = False  # a byte of the awaited request has arrived
+    _header_bytes: int = 0  # bytes of the awaited request's line and headers (httptools' bound)
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        if len(self.connections) > self.max_connections:
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        if len(self.connections) > self.max_connections:  # type: ignore[attr-defined]
             self.app = busy_app
             _log_busy(self.max_connections)
         self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to an unparsable request, as the error body ``invalid_request``."""
+        self._cancel_header_timer()
+        transport: asyncio.Transport = self.transport  # type: ignore[attr-defined]
+        transport.write(raw_error_response(GatewayError(ErrorCode.INVALID_REQUEST, "invalid HTTP request")))
+        transport.close()
+
+    def _between_requests(self) -> bool:
+        cycle = self.cycle  # type: ignore[attr-defined]
+        return cycle is None or bool(cycle.response_complete)
+
+    def _awaiting_request(self) -> bool:
+        """Whether the parser is between requests (a timeout then answers 408 when a byte has arrived)."""
+        return self._between_requests()
+
+    def _arm_header_timer(self) -> None:
+        self._cancel_header_timer()
+        self._armed_cycle = self.cycle  # type: ignore[attr-defined]
+        self._partial = False
+        self._header_bytes = 0
+        loop: asyncio.AbstractEventLoop = self.loop  # type: ignore[attr-defined]
+        self._header_timer = loop.call_later(self.header_timeout_s, self._on_header_timeout)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _on_header_timeout(self) -> None:
+        self._header_timer = None
+        transport: asyncio.Transport = self.transport  # type: ignore[attr-defined]
+        if transport.is_closing() or self.cycle is not self._armed_cycle:  # type: ignore[attr-defined]
+            return
+        if self._partial and self._awaiting_request():
+            exc = GatewayError(ErrorCode.REQUEST_TIMEOUT,
+                               f"request headers not received within {self.header_timeout_s:g} s")
+            transport.write(raw_error_response(exc))
+        log.debug("closing a connection: no complete request headers within %g s", self.header_timeout_s)
+        transport.close()
+
+
+class GuardedH11Protocol(_HeaderGuard, H11Protocol):
+    """uvicorn's h11 protocol with a header deadline and a connection cap (:class:`_HeaderGuard`)."""
 
     def data_received(self, data: bytes) -> None:
         if self._between_requests():
@@ -142,40 +193,8 @@ class GuardedH11Protocol(H11Protocol):
             self._arm_header_timer()  # part of the next request is already buffered
             self._partial = True
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_header_timer()
-        super().connection_lost(exc)
-
-    def send_400_response(self, msg: str) -> None:
-        """uvicorn's answer to an unparsable request, as the error body ``invalid_request``."""
-        self._cancel_header_timer()
-        self.transport.write(raw_error_response(GatewayError(ErrorCode.INVALID_REQUEST, "invalid HTTP request")))
-        self.transport.close()
-
-    def _between_requests(self) -> bool:
-        return self.cycle is None or self.cycle.response_complete
-
-    def _arm_header_timer(self) -> None:
-        self._cancel_header_timer()
-        self._armed_cycle = self.cycle
-        self._partial = False
-        self._header_timer = self.loop.call_later(self.header_timeout_s, self._on_header_timeout)
-
-    def _cancel_header_timer(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
-
-    def _on_header_timeout(self) -> None:
-        self._header_timer = None
-        if self.transport.is_closing() or self.cycle is not self._armed_cycle:
-            return
-        if self._partial and self.conn.our_state is h11.IDLE:
-            exc = GatewayError(ErrorCode.REQUEST_TIMEOUT,
-                               f"request headers not received within {self.header_timeout_s:g} s")
-            self.transport.write(raw_error_response(exc))
-        log.debug("closing a connection: no complete request headers within %g s", self.header_timeout_s)
-        self.transport.close()
+    def _awaiting_request(self) -> bool:
+        return bool(self.conn.our_state is h11.IDLE)
 
 
 #: request line + headers past this many bytes get the 400 of an unparsable request (h11's default bound)
@@ -183,7 +202,7 @@ MAX_HEADER_BYTES = 16 * 1024
 
 
 if HAVE_HTTPTOOLS:
-    class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    class GuardedHttpToolsProtocol(_HeaderGuard, HttpToolsProtocol):
         """uvicorn's httptools (llhttp) protocol with the same guards as :class:`GuardedH11Protocol`, and
         h11's 16 KiB bound on the request line + headers (llhttp has none).
 
@@ -191,21 +210,6 @@ if HAVE_HTTPTOOLS:
         arrived in the same read as the end of the previous one is bounded by uvicorn's keep-alive timer
         (closed silently) rather than answered 408.
         """
-
-        header_timeout_s: ClassVar[float] = 10.0
-        max_connections: ClassVar[int] = 1024
-
-        _header_timer: asyncio.TimerHandle | None = None
-        _armed_cycle: object = None
-        _partial: bool = False
-        _header_bytes: int = 0
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            if len(self.connections) > self.max_connections:
-                self.app = busy_app
-                _log_busy(self.max_connections)
-            self._arm_header_timer()
 
         def data_received(self, data: bytes) -> None:
             waiting = self._between_requests()
@@ -223,42 +227,6 @@ if HAVE_HTTPTOOLS:
                 self._header_bytes += len(data)
                 if self._header_bytes > MAX_HEADER_BYTES:
                     self.send_400_response("request line and headers too large")
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._cancel_header_timer()
-            super().connection_lost(exc)
-
-        def send_400_response(self, msg: str) -> None:
-            """uvicorn's answer to an unparsable request, as the error body ``invalid_request``."""
-            self._cancel_header_timer()
-            self.transport.write(raw_error_response(GatewayError(ErrorCode.INVALID_REQUEST, "invalid HTTP request")))
-            self.transport.close()
-
-        def _between_requests(self) -> bool:
-            return self.cycle is None or self.cycle.response_complete
-
-        def _arm_header_timer(self) -> None:
-            self._cancel_header_timer()
-            self._armed_cycle = self.cycle
-            self._partial = False
-            self._header_bytes = 0
-            self._header_timer = self.loop.call_later(self.header_timeout_s, self._on_header_timeout)
-
-        def _cancel_header_timer(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _on_header_timeout(self) -> None:
-            self._header_timer = None
-            if self.transport.is_closing() or self.cycle is not self._armed_cycle:
-                return
-            if self._partial and self._between_requests():
-                exc = GatewayError(ErrorCode.REQUEST_TIMEOUT,
-                                   f"request headers not received within {self.header_timeout_s:g} s")
-                self.transport.write(raw_error_response(exc))
-            log.debug("closing a connection: no complete request headers within %g s", self.header_timeout_s)
-            self.transport.close()
 
 
 def protocol_for(http: HttpSettings) -> type[asyncio.Protocol]:
