@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import io
 import socket
-import wave
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
@@ -32,6 +31,7 @@ from mmgate.config.settings import FetchSettings, Settings
 from mmgate.engines.base import Wire
 from mmgate.refengine.config import EngineConfig
 from mmgate.refengine.server import RunningEngine, start_engine
+from tests.audio.clips import pcm16_tone, wav16
 from tests.conftest import bundle_dir
 from tests.support.fake_worker import FakeWorker, FakeWorkerState
 from tests.support.servers import gateway_in_thread
@@ -44,20 +44,12 @@ PATH = "/v1/audio/transcriptions"
 
 
 def pcm16(samples: int, seed: int) -> np.ndarray:
-    t = np.arange(samples)
-    rng = np.random.default_rng(seed)
-    x = 0.3 * np.sin(2 * np.pi * (180 + 90 * seed) * t / SR) + 0.05 * rng.standard_normal(samples)
-    return np.clip(np.round(x * 32767), -32768, 32767).astype(np.int16)
+    """A tone plus noise as int16 (tests/audio/clips.py)."""
+    return pcm16_tone(samples, seed, 180, 90, SR)
 
 
 def wav_bytes(pcm: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(SR)
-        w.writeframes(pcm.tobytes())
-    return buf.getvalue()
+    return wav16(pcm, SR)
 
 
 #: 1.5 s + 37 samples (not a multiple of the hop): 150 valid frames, padded to 200 by the extractor

@@ -123,3 +123,24 @@ def _empty_wav(rate: int) -> bytes:
     fmt = struct.pack("<HHIIHH", 1, 1, rate, rate * 2, 2, 16)
     body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", 0)
     return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+def pcm16_tone(samples: int, seed: int, base_hz: float, step_hz: float, rate: int = 16_000) -> np.ndarray:
+    """int16 ``[samples]``: a tone of ``base_hz + step_hz * seed`` Hz at amplitude 0.3 plus seeded noise (0.05)."""
+    t = np.arange(samples)
+    rng = np.random.default_rng(seed)
+    x = 0.3 * np.sin(2 * np.pi * (base_hz + step_hz * seed) * t / rate) + 0.05 * rng.standard_normal(samples)
+    return np.clip(np.round(x * 32767), -32768, 32767).astype(np.int16)
+
+
+def wav16(pcm: np.ndarray, rate: int = 16_000) -> bytes:
+    """A mono 16-bit WAV (the stdlib ``wave`` writer) of ``pcm``."""
+    import wave
+
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm.tobytes())
+    return buf.getvalue()

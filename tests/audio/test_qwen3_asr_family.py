@@ -16,7 +16,6 @@ import asyncio
 import base64
 import io
 import json
-import wave
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from typing import Any
@@ -37,6 +36,7 @@ from mmgate.pipeline.prepare import Pipeline
 from mmgate.pipeline.runtime import ModelRuntime
 from mmgate.request.parse import parse_chat_request
 from mmgate.types import Modality, PreparedRequest
+from tests.audio.clips import pcm16_tone, wav16
 from tests.conftest import bundle_dir
 
 ASR = "Qwen--Qwen3-ASR-0.6B"
@@ -44,21 +44,12 @@ SR = 16_000
 
 
 def pcm16(samples: int, seed: int) -> np.ndarray:
-    """A tone plus noise as int16."""
-    t = np.arange(samples)
-    rng = np.random.default_rng(seed)
-    x = 0.3 * np.sin(2 * np.pi * (200 + 150 * seed) * t / SR) + 0.05 * rng.standard_normal(samples)
-    return np.clip(np.round(x * 32767), -32768, 32767).astype(np.int16)
+    """A tone plus noise as int16 (tests/audio/clips.py)."""
+    return pcm16_tone(samples, seed, 200, 150, SR)
 
 
 def wav_bytes(pcm: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(SR)
-        w.writeframes(pcm.tobytes())
-    return buf.getvalue()
+    return wav16(pcm, SR)
 
 
 def as_float(pcm: np.ndarray) -> np.ndarray:

@@ -58,7 +58,7 @@ from mmgate.pipeline.planning import (
     splice_text,
 )
 from mmgate.pipeline.routing_key import RoutingKey, expanded_key
-from mmgate.pipeline.sources import SOURCES, SourceContext
+from mmgate.pipeline.sources import SOURCES, SourceContext, gather_or_cancel
 from mmgate.request.protocol import ChatCompletionRequest, TextPart
 from mmgate.request.structured import request_constraint, template_tools
 from mmgate.pipeline.runtime import ModelRuntime
@@ -533,14 +533,7 @@ BAND_MIN_ROWS = 1024
 
 async def _all_or_none(*aws: Awaitable[Any]) -> list[Any]:
     """``asyncio.gather`` that cancels the others when one fails (and waits for them)."""
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
+    return await gather_or_cancel([asyncio.ensure_future(a) for a in aws])
 
 
 def _at(ref: MediaRef, fn: Callable[..., Any], *args: Any) -> Any:
