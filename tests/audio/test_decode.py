@@ -12,7 +12,7 @@ import pytest
 
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.audio import decode_audio, resampled_length
-from tests.audio.clips import ClipSpec, encode, make_clip, video_only_mp4, wav_header_only, waveform
+from tests.audio.clips import CODECS, ClipSpec, encode, make_clip, video_only_mp4, wav_header_only, waveform
 from tests.audio.references import transformers_load, vllm_load
 
 LIMITS = {"max_input_bytes": 64 << 20, "max_duration_s": 600.0, "timeout_s": 30.0}
@@ -94,3 +94,26 @@ def test_refusal_statuses_are_caller_errors() -> None:
         assert ERROR_TABLE[code].status == 400
     for code in (ErrorCode.MEDIA_TOO_LARGE, ErrorCode.AUDIO_TOO_LONG, ErrorCode.AUDIO_DECODE_TIMEOUT):
         assert ERROR_TABLE[code].status == 413  # as video's size, pixel allowance and deadline
+
+
+@pytest.mark.parametrize("codec", sorted(CODECS))
+def test_the_short_probe_gives_the_streams_and_samples_of_ffmpegs_default_probe(codec: str,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``probesize`` 2 KiB and ``analyzeduration`` 0 (media/audio.py) change nothing but the time: decoded with
+    FFmpeg's default probing (the options removed), every container/codec at its lowest and highest rate, mono and
+    stereo, gives the same rate, channels and samples."""
+    import mmgate.media.audio as audio
+
+    default = {k: v for k, v in audio._CONTAINER_OPTIONS.items() if k not in ("probesize", "analyzeduration")}
+    assert default != audio._CONTAINER_OPTIONS
+    rates = CODECS[codec].rates or (8000, 48000)
+    for rate in (rates[0], rates[-1]):
+        for channels in (1, 2):
+            data = make_clip(ClipSpec(codec, rate, channels, 3.7))
+            short = decode_audio(data, 16000, **LIMITS)
+            with monkeypatch.context() as m:
+                m.setattr(audio, "_CONTAINER_OPTIONS", default)
+                full = decode_audio(data, 16000, **LIMITS)
+            assert (short.source_rate, short.source_channels) == (full.source_rate, full.source_channels), codec
+            assert full.source_channels == channels  # (opus decodes at 48 kHz whatever the input rate)
+            assert np.array_equal(short.samples, full.samples), (codec, rate, channels)

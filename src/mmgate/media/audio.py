@@ -48,7 +48,12 @@ from mmgate.types import DecodedAudio
 #: demuxer names accepted (FFmpeg ``format_whitelist``): wav, flac, mp3, ogg (vorbis/opus),
 #: mov/mp4/m4a (aac), matroska/webm (opus/vorbis), raw ADTS aac, aiff, w64
 ALLOWED_DEMUXERS = "wav,w64,flac,mp3,ogg,mov,mp4,m4a,3gp,3g2,mj2,matroska,webm,aac,aiff"
-_CONTAINER_OPTIONS = {"format_whitelist": ALLOWED_DEMUXERS, "protocol_whitelist": "none"}
+#: ``probesize``/``analyzeduration``: FFmpeg's stream probing reads and decodes up to 5 s of the input before the
+#: first frame (20-60 ms for an in-memory WAV); every audio demuxer above states rate, channels and codec in its
+#: header, so 2 KiB and no analysis give the same streams and the same decoded samples (tests/audio/test_decode.py
+#: compares both settings on every container/codec, rate and channel count generated there)
+_CONTAINER_OPTIONS = {"format_whitelist": ALLOWED_DEMUXERS, "protocol_whitelist": "none",
+                      "probesize": "2048", "analyzeduration": "0"}
 #: librosa.resample's default ``res_type`` (librosa >= 0.10), which vLLM's AudioResampler uses
 RESAMPLE_QUALITY = "soxr_hq"
 
