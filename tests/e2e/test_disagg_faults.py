@@ -73,6 +73,8 @@ BAD_LOGIT_BIAS = {"999999": 1}
 MAX_TOKENS = 3
 #: how long a soak client pauses after a retryable 503 before its next request
 RETRY_PAUSE_S = 0.25
+#: the gateway's worker probe interval in these stacks (``--worker-health-interval``)
+HEALTH_INTERVAL_S = 0.5
 #: the gateway's engine keepalive in these stacks (``--engine-keepalive-*``; SMG's 30 s + 10 s by default): a link
 #: that goes silent without closing is found within about their sum
 KEEPALIVE_INTERVAL_S = 2.0
@@ -150,8 +152,8 @@ class FaultStack:
             assert prefill.boot is not None
             extra = ["--served-model-name", model, "--epd-disaggregation" if epd else "--pd-disaggregation",
                      "--prefill", f"grpc://127.0.0.1:{prefill.grpc.port}", str(prefill.boot.port),
-                     "--decode", f"grpc://127.0.0.1:{decode.grpc.port}", "--worker-health-interval", "0.5",
-                     *KEEPALIVE_ARGS]
+                     "--decode", f"grpc://127.0.0.1:{decode.grpc.port}",
+                     "--worker-health-interval", str(HEALTH_INTERVAL_S), *KEEPALIVE_ARGS]
             if epd:
                 encode = self.legs[Role.ENCODE]
                 assert encode.boot is not None
@@ -402,11 +404,16 @@ CHAOS = ("cut_grpc", "flaky_reconnect", "kill_restart")
 
 @dataclass
 class SoakReport:
+    """The soak's outcomes (in the order they ended), the chaos applied, and which outcomes belong to
+    requests that started while no chaos action was under way (``calm``: between one action's recovery, the
+    gateway seeing every worker healthy again, and the next action)."""
+
     outcomes: list[Outcome] = field(default_factory=list)
     chaos: list[str] = field(default_factory=list)
+    calm: list[bool] = field(default_factory=list)
 
-    def kinds(self) -> Counter[str]:
-        return Counter(o.kind for o in self.outcomes)
+    def kinds(self, calm_only: bool = False) -> Counter[str]:
+        return Counter(o.kind for o, c in zip(self.outcomes, self.calm) if c or not calm_only)
 
 
 def soak(stack: FaultStack, requests: int, seed: int, concurrency: int = 6) -> SoakReport:
@@ -431,6 +438,7 @@ def soak(stack: FaultStack, requests: int, seed: int, concurrency: int = 6) -> S
     chaos = [(at, actions[k], rng.choice(list(stack.legs)), rng.uniform(0.1, 0.8)) for k, at in enumerate(chaos_at)]
 
     report = SoakReport()
+    outage = threading.Event()  # set from a chaos action until the gateway sees every worker healthy again
     started = threading.Semaphore(0)
     slots = threading.Semaphore(concurrency)
     lock = threading.Lock()
@@ -443,10 +451,12 @@ def soak(stack: FaultStack, requests: int, seed: int, concurrency: int = 6) -> S
                 body["logit_bias"] = BAD_LOGIT_BIAS
             if boot is not None:
                 boot[0].arm(boot[1])
+            calm = not outage.is_set()
             started.release()
             outcome = send(stack, body, None if bad else stack.expected[variant], stream)
             with lock:
                 report.outcomes.append(outcome)
+                report.calm.append(calm)
             if outcome.kind == "retryable":
                 time.sleep(RETRY_PAUSE_S)  # a client backs off after a 503 (Retry-After), if not for its full second
         finally:
@@ -460,6 +470,7 @@ def soak(stack: FaultStack, requests: int, seed: int, concurrency: int = 6) -> S
                 count += 1
             leg = stack.legs[role]
             report.chaos.append(f"{action}:{role.value}@{at}")
+            outage.set()
             if action == "cut_grpc":
                 leg.grpc.cut_all()
             elif action == "flaky_reconnect":  # the link drops, and the next connection breaks off too
@@ -469,6 +480,9 @@ def soak(stack: FaultStack, requests: int, seed: int, concurrency: int = 6) -> S
                 leg.kill()
                 time.sleep(pause)
                 leg.restart()
+            time.sleep(HEALTH_INTERVAL_S + 0.1)  # the gateway's probe has seen the action ...
+            stack.wait_healthy(timeout_s=60.0)  # ... and now sees every worker healthy again
+            outage.clear()
 
     chaos_runner = threading.Thread(target=chaos_thread, name="soak-chaos", daemon=True)
     chaos_runner.start()
@@ -494,12 +508,17 @@ def _check_soak(stack: FaultStack, requests: int, seed: int) -> None:
     wrong = [o for o in report.outcomes if o.kind == "wrong"]
     slow = [o for o in report.outcomes if o.seconds > BOUND_S]
     kinds = report.kinds()
-    summary = f"{dict(kinds)} chaos={report.chaos} codes={Counter(o.code for o in report.outcomes)}"
+    summary = (f"{dict(kinds)} calm={dict(report.kinds(calm_only=True))} chaos={report.chaos} "
+               f"codes={Counter(o.code for o in report.outcomes)}")
     print(f"soak of {requests}: {summary}")
     assert not wrong, f"{len(wrong)} wrong answers, e.g. {wrong[:5]}; {summary}"
     assert not slow, f"{len(slow)} requests over {BOUND_S}s: {slow[:5]}"
     assert len(report.outcomes) == requests
-    assert kinds["ok"] >= requests // 3, summary  # the faults did not take the stack down for good
+    # the faults did not take the stack down for good: between outages it serves.  Requests started during an
+    # outage (a killed engine restarting, a cut link reconnecting) fail fast with a retryable 503, and how many
+    # there are depends on how long a restart takes on this machine: they are not counted here.
+    calm = report.kinds(calm_only=True)
+    assert kinds["ok"] > 0 and calm["ok"] >= calm.total() // 3, f"calm {dict(calm)}; {summary}"
     assert kinds["retryable"] > 0, summary  # ... and they did bite
     assert kinds["rejected"] > 0, summary  # the engine's own 400 got through
     applied = Counter[str]()
@@ -695,8 +714,9 @@ def test_a_single_workers_link_gone_silent_is_not_a_hung_request(tmp_path: Path)
         # round_robin: the first request goes to the first worker, the one on the frozen link to the second, the
         # one sent meanwhile to the first again (the default cache_aware policy would send the same prompt back to
         # the worker that holds its prefix: the frozen one).
-        extra = ["--served-model-name", QWEN3, "--worker-health-interval", "0.5", "--multimodal-tensor-transport",
-                 "shm", "--multimodal-shm-min-bytes", "0", "--policy", "round_robin", *KEEPALIVE_ARGS]
+        extra = ["--served-model-name", QWEN3, "--worker-health-interval", str(HEALTH_INTERVAL_S),
+                 "--multimodal-tensor-transport", "shm", "--multimodal-shm-min-bytes", "0", "--policy", "round_robin",
+                 *KEEPALIVE_ARGS]
         gateway = start_gateway(str(bundle_dir(QWEN3)), [leg.grpc.port for leg in legs], extra=extra, log_dir=tmp_path)
         url = f"http://127.0.0.1:{gateway.port}"
         chat = f"{url}/v1/chat/completions"
