@@ -7,8 +7,8 @@ Clips (generated into ``--clips-dir`` with PyAV's libx264 unless already there):
 
 Per clip and model, one process measures, interleaved, on the same bytes:
 * ``mmgate``: ``decode_video`` (frames sampled from the header, only the kept
-  frames converted to RGB, FFmpeg frame threads) + ``plan_video`` +
-  ``preprocess_video`` + ``assemble_video`` + ``expand_video`` (the gateway's calls);
+  frames converted to RGB, FFmpeg frame threads) + the video processor's ``plan``,
+  ``preprocess`` and ``expand`` + ``assemble`` (the gateway's calls);
 * ``mmgate/slice``: the same with PyAV's default decoder threading (what the
   reference loader gets), to separate the threading gain from the rest;
 * ``hf``: what the transformers video processor does with a path, with its pyav

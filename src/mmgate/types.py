@@ -1,8 +1,8 @@
 """Frozen, slotted dataclasses shared across the pipeline stages.
 
 A request flows forward as: ``ChatRequest`` (api) -> ``MediaRef`` per content
-part (plan) -> ``DecodedImage`` / ``DecodedVideo`` (fetch+decode) -> ``ItemPlan``
-/ ``VideoPlan`` (family.plan, family.plan_video) -> ``EncoderBatch`` (family.preprocess)
+part (plan) -> ``DecodedImage`` / ``DecodedVideo`` / ``DecodedAudio`` (fetch+decode) -> ``ItemPlan``
+(each modality's processor's ``plan``) -> ``EncoderBatch`` (its ``preprocess``)
 -> ``Replacement`` (family.expand) -> ``PreparedRequest`` (pipeline) -> engine
 message (engines/).
 
@@ -12,14 +12,15 @@ their shape and dtype documented where they are produced.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Hashable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import Generic, Protocol
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import TypeVar  # a type parameter with a default (PEP 696; typing has it from 3.13)
 
 
 class Modality(StrEnum):
@@ -205,16 +206,24 @@ class TensorSpec:
     primary: bool = False
 
 
+#: an :class:`ItemPlan`'s ``detail`` type: hashable, a family's tuple of ints unless a modality says otherwise
+DetailT = TypeVar("DetailT", bound=Hashable, covariant=True, default=tuple[int, ...])
+
+
 @dataclass(frozen=True, slots=True)
-class ItemPlan:
-    """One item planned from its size alone: token count and the shape of its share of each tensor.
+class ItemPlan(Generic[DetailT]):
+    """One item of any modality planned from its size alone: token count and the shape of its share of each tensor.
 
     ``shapes``: ``(name, shape)`` per tensor of the modality's specs, the primary tensor first: a
     ``flat`` tensor's share is ``[rows, ...]`` (its rows in the concatenation), a ``batched``
     one's the item's slice without the item dimension. ``num_tokens``: the embedding positions
-    (tokens that receive encoder output) this item expands to. ``detail``: the family's own
-    geometry, hashable (Qwen-VL: grid ``(t, h, w)`` in patches; LLaVA-NeXT: tile grid and
-    unpadded size; Gemma 3: ``(num_crops, rows, cols, crop_h, crop_w)``), read only by that family.
+    (tokens that receive encoder output) this item expands to. ``detail``: the modality's and the
+    family's specifics, hashable, read only by the processor that planned the item (generic code
+    reads the other fields).  Images and audio: a tuple of ints, the family's own geometry (Qwen-VL:
+    grid ``(t, h, w)`` in patches; LLaVA-NeXT: tile grid and unpadded size; Gemma 3: ``(num_crops,
+    rows, cols, crop_h, crop_w)``), so a bare ``ItemPlan`` is ``ItemPlan[tuple[int, ...]]``.  Video:
+    a :class:`VideoDetail` (``ItemPlan[VideoDetail]``), the clip's sampling and the family's geometry.
+    Generic code that takes plans of every modality reads ``ItemPlan[Hashable]``.
 
     Example (Qwen2.5-VL, 640x480 image): ``resized_hw`` (476, 644), ``shapes``
     ``(("pixel_values", (1564, 1176)), ("image_grid_thw", (3,)), ("patches_per_image", ()))``,
@@ -226,7 +235,7 @@ class ItemPlan:
     resized_hw: tuple[int, int]
     num_tokens: int
     shapes: tuple[tuple[str, tuple[int, ...]], ...]
-    detail: tuple[int, ...] = ()
+    detail: DetailT
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The item's share of tensor ``name``.
@@ -265,19 +274,26 @@ class PlaceholderRange:
 
 
 @dataclass(frozen=True, slots=True)
-class VideoPlan:
-    """Sampling (chosen from the header, before decoding) and geometry (from the decoded frames) of one clip.
+class VideoDetail:
+    """A clip's :attr:`ItemPlan.detail`: its sampling (chosen from the header, before decoding) and the
+    family's geometry of it (from the decoded frames).  Hashable and compared by value.
 
-    For Qwen-VL, ``item.detail`` = ``(grid_t, grid_h, grid_w)`` with ``grid_t`` =
-    ``ceil(len(frame_indices) / temporal_patch_size)`` (the reference pads the
-    last temporal patch with copies of the last frame).
+    Qwen-VL: ``geometry`` = ``(grid_t, grid_h, grid_w)`` with ``grid_t`` =
+    ``ceil(len(frame_indices) / temporal_patch_size)`` (the reference pads the last temporal patch
+    with copies of the last frame); LLaVA-OneVision, InternVL3: ``(num_frames,)``.
     """
 
-    item: ItemPlan
+    geometry: tuple[int, ...]  # the family's own geometry of the clip, read only by that family
     frame_indices: tuple[int, ...]  # sampled stream frame indices, in order
     total_frames: int  # VideoMeta.total_frames
     source_fps: float  # VideoMeta.fps
     max_pixels: int  # the size["longest_edge"] this clip was resized under (hint applied)
+
+    @classmethod
+    def sampled(cls, video: DecodedVideo, geometry: tuple[int, ...], max_pixels: int) -> VideoDetail:
+        """The detail of ``video`` (its sampled indices and header facts) with the family's ``geometry``."""
+        return cls(geometry=geometry, frame_indices=tuple(video.frame_indices), total_frames=video.meta.total_frames,
+                   source_fps=video.meta.fps, max_pixels=max_pixels)
 
     @property
     def sampled_fps(self) -> float:
@@ -467,7 +483,7 @@ class PreparedRequest:
     batches: tuple[EncoderBatch, ...]
     sampling: SamplingParams
     stream: bool
-    plans: tuple[ItemPlan, ...] = ()
+    plans: tuple[ItemPlan[Hashable], ...] = ()  # each item's plan, in prompt order
     timings_ms: dict[str, float] = field(default_factory=dict)
 
     @property

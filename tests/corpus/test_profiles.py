@@ -78,4 +78,4 @@ def test_qwen_profile_bundles_set_do_sample_frames_and_the_qwen2_one_passes_fram
     (case,) = [c for c in corpus.cases if c["id"] == "BH-14-frames5"]
     clip = decode_video(corpus.file(case["files"][0]), lambda meta: family.video.sample(meta, ItemHints()), None, 30.0)
     assert list(clip.frame_indices) == [0, 1, 2, 3, 4]
-    assert [list(family.video.plan(clip, ItemHints()).item.detail)] == case["expected"]["video_grid_thw"]
+    assert [list(family.video.plan(clip, ItemHints()).detail.geometry)] == case["expected"]["video_grid_thw"]

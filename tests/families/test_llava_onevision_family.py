@@ -145,8 +145,8 @@ def test_a_clip_plans_196_tokens_a_frame_and_one_newline_all_embedded() -> None:
     video = family().video
     assert video is not None
     plan = video.plan(_clip(7), ItemHints())
-    assert plan.item.num_tokens == 7 * 196 + 1  # ceil(27 / 2)^2 per frame
-    assert plan.item.primary_shape == (7, 3, 384, 384)
+    assert plan.num_tokens == 7 * 196 + 1  # ceil(27 / 2)^2 per frame
+    assert plan.primary_shape == (7, 3, 384, 384)
     rep = video.expand(plan)
     assert rep.token_ids == (151647,) * (7 * 196 + 1) and (rep.embed_offset, rep.embed_length) == (0, 7 * 196 + 1)
     raw = video.preprocess(_clip(7), plan, raw=True)

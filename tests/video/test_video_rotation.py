@@ -150,8 +150,8 @@ def test_switch_off_keeps_the_reference_loaders_orientation(rotated: dict[int, P
     assert not pipeline(model).settings.video.apply_rotation
     (stored_plan,), (upright_plan,) = off.plans, on.plans
     assert stored_plan.original_hw == (64, 128) and upright_plan.original_hw == (128, 64)
-    t, h, w = stored_plan.detail
-    assert upright_plan.detail == (t, w, h)
+    t, h, w = stored_plan.detail.geometry
+    assert upright_plan.detail.geometry == (t, w, h)
     # The same bytes turned upright are other tensors: they must not share a cache key.
     assert off.batches[0].mm_hashes != on.batches[0].mm_hashes
     # An unrotated clip hashes the same either way.

@@ -6,9 +6,10 @@ A family (one module per model line in ``mmgate/models/``) maps each modality it
 
 * **plan** an item from its size (images), its header and decoded frames (videos) or its decoded
   samples (audio) alone:
-  an :class:`~mmgate.types.ItemPlan` with the token count and the shape of the item's share
-  of every tensor (:class:`~mmgate.types.TensorSpec` says each tensor's dtype, layout and
-  placement);
+  an :class:`~mmgate.types.ItemPlan`, the one plan type of every modality, with the token count and
+  the shape of the item's share of every tensor (:class:`~mmgate.types.TensorSpec` says each
+  tensor's dtype, layout and placement) and the modality's specifics in its ``detail`` (a tuple of
+  the family's geometry; a clip's :class:`~mmgate.types.VideoDetail`);
 * **write** the item's tensors: :meth:`ImageProcessor.plan_tensors` (the ones known from the
   plan: grids, sizes, crop counts) and :meth:`ImageProcessor.preprocess` (the primary encoder
   input from the pixels); a processor whose primary tensor is a flat 2-D row tensor may also
@@ -27,7 +28,7 @@ How to add a family: docs/families.md (worked example: LLaVA-1.5).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
@@ -51,8 +52,8 @@ from mmgate.types import (
     Replacement,
     TensorLayout,
     TensorSpec,
+    VideoDetail,
     VideoMeta,
-    VideoPlan,
 )
 
 __all__ = ["AudioProcessor", "Family", "FamilyClass", "ImageOnlyFamily", "ImageProcessor", "ImageVideoFamily",
@@ -147,7 +148,7 @@ class VideoRowWriter(Protocol):
     clip's rows block by block into a sink (the tail of the serialized request, a shared-memory
     segment), so the clip's ``pixel_values`` are written once, into the buffer that carries them."""
 
-    def write_rows(self, video: DecodedVideo, plan: VideoPlan, raw: bool, sink: RowSink) -> int:
+    def write_rows(self, video: DecodedVideo, plan: ItemPlan[VideoDetail], raw: bool, sink: RowSink) -> int:
         """:meth:`VideoProcessor.preprocess`'s rows handed to ``sink(first_row, rows)`` in order, a
         block at a time; returns the rows written."""
         ...
@@ -155,25 +156,29 @@ class VideoRowWriter(Protocol):
 
 @runtime_checkable
 class VideoProcessor(_Processor, Protocol):
-    """The video side of a family: frames chosen from the header, planned after decoding."""
+    """The video side of a family: frames chosen from the header, planned after decoding.
 
-    def plan_tensors(self, plan: VideoPlan) -> dict[str, np.ndarray]:
-        """The clip's share of every tensor but the primary (shapes as ``plan.item.shapes``)."""
+    A clip's plan is an :class:`~mmgate.types.ItemPlan` whose ``detail`` is a
+    :class:`~mmgate.types.VideoDetail`: the sampled frames and header facts, with the family's geometry.
+    """
+
+    def plan_tensors(self, plan: ItemPlan[VideoDetail]) -> dict[str, np.ndarray]:
+        """The clip's share of every tensor but the primary (shapes as ``plan.shapes``)."""
         ...
 
     def sample(self, meta: VideoMeta, hints: ItemHints) -> list[int]:
         """Stream frame indices to decode, from the container header alone."""
         ...
 
-    def plan(self, video: DecodedVideo, hints: ItemHints) -> VideoPlan:
+    def plan(self, video: DecodedVideo, hints: ItemHints) -> ItemPlan[VideoDetail]:
         """Plan one decoded clip."""
         ...
 
-    def preprocess(self, video: DecodedVideo, plan: VideoPlan, raw: bool = False) -> np.ndarray:
-        """The clip's share of the primary tensor (``plan.item.primary_shape``)."""
+    def preprocess(self, video: DecodedVideo, plan: ItemPlan[VideoDetail], raw: bool = False) -> np.ndarray:
+        """The clip's share of the primary tensor (``plan.primary_shape``)."""
         ...
 
-    def expand(self, plan: VideoPlan) -> Replacement:
+    def expand(self, plan: ItemPlan[VideoDetail]) -> Replacement:
         """The prompt update replacing this clip's anchor."""
         ...
 
@@ -415,7 +420,7 @@ def combine(spec: TensorSpec, parts: Sequence[np.ndarray]) -> np.ndarray:
     return out
 
 
-def deferrable(spec: TensorSpec, plans: Sequence[ItemPlan]) -> bool:
+def deferrable(spec: TensorSpec, plans: Sequence[ItemPlan[Hashable]]) -> bool:
     """Whether the primary tensor can be a :class:`PendingTensor` written row by row: flat, or
     batched with every item's share the same shape (no padding to place)."""
     if spec.layout is TensorLayout.FLAT:
@@ -423,7 +428,7 @@ def deferrable(spec: TensorSpec, plans: Sequence[ItemPlan]) -> bool:
     return spec.layout is TensorLayout.BATCHED and len({pl.primary_shape for pl in plans}) <= 1
 
 
-def primary_layout(spec: TensorSpec, plans: Sequence[ItemPlan]) -> tuple[tuple[int, ...], list[int]]:
+def primary_layout(spec: TensorSpec, plans: Sequence[ItemPlan[Hashable]]) -> tuple[tuple[int, ...], list[int]]:
     """Shape of the whole primary tensor and each item's first row in its ``[rows, width]`` view
     (:func:`deferrable` layouts only): flat ``[sum(rows), *share[1:]]``; batched ``[N, *share]``,
     one row per item."""
@@ -437,13 +442,13 @@ def primary_layout(spec: TensorSpec, plans: Sequence[ItemPlan]) -> tuple[tuple[i
     return (len(plans), *share), list(range(len(plans)))
 
 
-def item_rows(spec: TensorSpec, plan: ItemPlan) -> int:
+def item_rows(spec: TensorSpec, plan: ItemPlan[Hashable]) -> int:
     """Rows of one item in the primary tensor's ``[rows, width]`` view (flat: its first dimension;
     batched: one)."""
     return plan.primary_shape[0] if spec.layout is TensorLayout.FLAT else 1
 
 
-def assemble(proc: MediaProcessor, plans: Sequence[ItemPlan] | Sequence[VideoPlan],
+def assemble(proc: MediaProcessor, plans: Sequence[ItemPlan[Hashable]],
              primaries: Sequence[np.ndarray] | np.ndarray | PendingTensor | None) -> EncoderBatch:
     """The batch of one modality, in prompt order (no placeholders or hashes yet).
 
@@ -497,8 +502,9 @@ class Transcriber(Protocol):
         """A fresh incremental reader of one generation's text."""
         ...
 
-    def clip_seconds(self, plan: ItemPlan) -> float:
-        """The duration of the clip ``plan`` was made for (its samples over the extractor's rate)."""
+    def clip_seconds(self, plan: ItemPlan[Hashable]) -> float:
+        """The duration of the clip ``plan`` (this family's audio plan, from a request's
+        :attr:`~mmgate.types.PreparedRequest.plans`) was made for (its samples over the extractor's rate)."""
         ...
 
 

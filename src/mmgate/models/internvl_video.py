@@ -57,8 +57,8 @@ from mmgate.types import (
     Replacement,
     TensorLayout,
     TensorSpec,
+    VideoDetail,
     VideoMeta,
-    VideoPlan,
 )
 
 __all__ = ["InternVLVideo", "frame_text", "reference_ids"]
@@ -138,8 +138,9 @@ class InternVLVideo:
         """
         return sample_every_or_vllm(meta.total_frames, self.sampling)
 
-    def plan(self, video: DecodedVideo, hints: ItemHints) -> VideoPlan:
-        """One tile per decoded frame: ``num_tokens`` = ``256 * frames`` ``<video>`` tokens.
+    def plan(self, video: DecodedVideo, hints: ItemHints) -> ItemPlan[VideoDetail]:
+        """One tile per decoded frame: ``num_tokens`` = ``256 * frames`` ``<video>`` tokens;
+        ``detail.geometry``: ``(frames,)``.
 
         Raises:
             GatewayError(MEDIA_DECODE_FAILED): a clip without frames.
@@ -148,24 +149,22 @@ class InternVLVideo:
         if frames == 0:
             raise GatewayError(ErrorCode.MEDIA_DECODE_FAILED, "the video has no frames")
         h, w = self.size_hw
-        item = ItemPlan(modality=Modality.VIDEO, original_hw=(video.height, video.width), resized_hw=(h, w),
+        return ItemPlan(modality=Modality.VIDEO, original_hw=(video.height, video.width), resized_hw=(h, w),
                         num_tokens=frames * self.seq,
                         shapes=(("pixel_values", (frames, 3, h, w)), ("video_num_patches", ()),
                                 ("video_token_id", ())),
-                        detail=(frames,))
-        return VideoPlan(item=item, frame_indices=video.frame_indices, total_frames=video.meta.total_frames,
-                         source_fps=video.meta.fps, max_pixels=h * w)
+                        detail=VideoDetail.sampled(video, (frames,), h * w))
 
-    def plan_tensors(self, plan: VideoPlan) -> dict[str, np.ndarray]:
+    def plan_tensors(self, plan: ItemPlan[VideoDetail]) -> dict[str, np.ndarray]:
         """``video_num_patches`` (frames) and ``video_token_id`` (``<video>``, vLLM's shared key)."""
-        return {"video_num_patches": np.array(plan.item.detail[0], dtype=np.int64),
+        return {"video_num_patches": np.array(plan.detail.geometry[0], dtype=np.int64),
                 "video_token_id": np.array(self.video_id, dtype=np.int64)}
 
-    def preprocess(self, video: DecodedVideo, plan: VideoPlan, raw: bool = False) -> np.ndarray:
+    def preprocess(self, video: DecodedVideo, plan: ItemPlan[VideoDetail], raw: bool = False) -> np.ndarray:
         """``[frames, 3, 448, 448]``: each frame resized (torchvision kernel) and normalized
         (the torchvision fused formula), float32; or with ``raw`` the resized uint8 pixels."""
         h, w = self.size_hw
-        out = np.empty(plan.item.primary_shape, dtype=np.uint8 if raw else np.float32)
+        out = np.empty(plan.primary_shape, dtype=np.uint8 if raw else np.float32)
         for k, frame in enumerate(video.frames):
             if frame.shape[:2] != (h, w):
                 frame = geometry.resize_uint8(frame, (h, w), self.resample, self.backend)
@@ -176,11 +175,11 @@ class InternVLVideo:
                 self._normalizer(np.ascontiguousarray(chw).reshape(1, 3, h * w), out[k].reshape(1, 3, h * w))
         return out
 
-    def expand(self, plan: VideoPlan) -> Replacement:
+    def expand(self, plan: ItemPlan[VideoDetail]) -> Replacement:
         """The text replacing ``<video>``; the range runs from ``Frame1`` to the last ``</img>``."""
         start, context, end = self.texts
-        text = frame_text(plan.item.detail[0], start, context, end, self.seq)
-        return Replacement(token_ids=(), embed_offset=LEAD_TOKENS, embed_length=plan.item.num_tokens, text=text,
+        text = frame_text(plan.detail.geometry[0], start, context, end, self.seq)
+        return Replacement(token_ids=(), embed_offset=LEAD_TOKENS, embed_length=plan.num_tokens, text=text,
                            trail=1)
 
 

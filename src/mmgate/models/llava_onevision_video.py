@@ -2,7 +2,7 @@
 
 Stage: plan / preprocess / expand of ``video_url`` parts for ``llava_onevision``.  In: a clip's
 header facts (:class:`~mmgate.types.VideoMeta`), then its decoded frames
-(:class:`~mmgate.types.DecodedVideo`); out: frame indices, a :class:`~mmgate.types.VideoPlan`,
+(:class:`~mmgate.types.DecodedVideo`); out: frame indices, an :class:`~mmgate.types.ItemPlan`,
 the clip's share of the video batch's ``pixel_values`` (float32 ``[num_frames, 3, 384, 384]``; on the
 vLLM wire the servicer hands it to vLLM as ``pixel_values_videos``, smg-grpc-servicer 0.14.1
 ``vllm/mm_keys.py`` ``modality_key``) and the run of ``<video>`` replacing the template's anchor.
@@ -52,8 +52,8 @@ from mmgate.types import (
     Replacement,
     TensorLayout,
     TensorSpec,
+    VideoDetail,
     VideoMeta,
-    VideoPlan,
 )
 
 __all__ = ["OnevisionVideo", "onevision_tokens", "onevision_video_from_bundle"]
@@ -80,7 +80,8 @@ def onevision_tokens(bundle: ModelBundle, tokenizer: BundleTokenizer, name: str,
 
 
 class OnevisionVideo:
-    """One bundle's video side (module docstring).  ``ItemPlan.detail``: ``(num_frames,)``."""
+    """One bundle's video side (module docstring).  ``ItemPlan.detail``: a :class:`~mmgate.types.VideoDetail`, geometry
+    ``(num_frames,)``."""
 
     modality = Modality.VIDEO
     device_normalizable = True  # a worker may normalize the raw uint8 pixels itself (float32, as the reference)
@@ -136,22 +137,21 @@ class OnevisionVideo:
         """``num_frames * frame_tokens + 1`` (``replace_video_token``; vLLM ``get_num_video_tokens``)."""
         return num_frames * self.frame_tokens + 1
 
-    def plan(self, video: DecodedVideo, hints: ItemHints) -> VideoPlan:
+    def plan(self, video: DecodedVideo, hints: ItemHints) -> ItemPlan[VideoDetail]:
         """The clip's shape and token count from its decoded frames."""
         n = int(video.frames.shape[0])
         if n <= 0:
             raise GatewayError(ErrorCode.MEDIA_DECODE_FAILED, "video has no frames")
         h, w = self.size_hw
-        item = ItemPlan(modality=Modality.VIDEO, original_hw=(video.height, video.width), resized_hw=(h, w),
-                        num_tokens=self.num_tokens(n), shapes=(("pixel_values", (n, 3, h, w)),), detail=(n,))
-        return VideoPlan(item=item, frame_indices=tuple(video.frame_indices), total_frames=video.meta.total_frames,
-                         source_fps=video.meta.fps, max_pixels=h * w)
+        return ItemPlan(modality=Modality.VIDEO, original_hw=(video.height, video.width), resized_hw=(h, w),
+                        num_tokens=self.num_tokens(n), shapes=(("pixel_values", (n, 3, h, w)),),
+                        detail=VideoDetail.sampled(video, (n,), h * w))
 
-    def plan_tensors(self, plan: VideoPlan) -> dict[str, np.ndarray]:
+    def plan_tensors(self, plan: ItemPlan[VideoDetail]) -> dict[str, np.ndarray]:
         """The clip's tensors besides the primary one (none: ``pixel_values_videos`` carries the clip)."""
         return {}
 
-    def preprocess(self, video: DecodedVideo, plan: VideoPlan, raw: bool = False) -> np.ndarray:
+    def preprocess(self, video: DecodedVideo, plan: ItemPlan[VideoDetail], raw: bool = False) -> np.ndarray:
         """``[num_frames, 3, 384, 384]`` float32 normalized (uint8 with ``raw``)."""
         frames = video.frames
         if frames.shape[1:3] != self.size_hw:
@@ -161,9 +161,9 @@ class OnevisionVideo:
             frames = resized
         return chw_values(frames, None if raw else self._normalizer)
 
-    def expand(self, plan: VideoPlan) -> Replacement:
+    def expand(self, plan: ItemPlan[VideoDetail]) -> Replacement:
         """The run of ``<video>`` replacing the anchor; all of it is the placeholder range."""
-        n = plan.item.num_tokens
+        n = plan.num_tokens
         return Replacement(token_ids=(self.token_id,) * n, embed_offset=0, embed_length=n)
 
 

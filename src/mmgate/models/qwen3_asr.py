@@ -41,7 +41,7 @@ Limit: 10 clips per request, smg's ``Qwen3AsrSpec::modality_limits`` (audio 10; 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -296,8 +296,9 @@ class Qwen3ASRFamily:
     def transcript_stream(self) -> StreamingTranscript:
         return StreamingTranscript()
 
-    def clip_seconds(self, plan: ItemPlan) -> float:
-        return plan.detail[0] / self.audio.sampling_rate
+    def clip_seconds(self, plan: ItemPlan[Hashable]) -> float:
+        assert isinstance(plan.detail, tuple)  # the audio plan of this family: (samples, frames)
+        return int(plan.detail[0]) / self.audio.sampling_rate
 
     @classmethod
     def from_bundle(cls, bundle: ModelBundle, tokenizer: BundleTokenizer, backend: ImageBackend,

@@ -33,7 +33,7 @@ from mmgate.models.backend import FrameSampling, ImageBackend
 from mmgate.models.qwen_vl_frames import QWEN2_VIDEO, video_params
 from mmgate.models.qwen_vl_kwargs import frame_request
 from mmgate.models.qwen_vl_video import QwenVLVideo
-from mmgate.types import DecodedVideo, ItemHints, TensorLayout, TensorSpec, VideoPlan
+from mmgate.types import DecodedVideo, ItemHints, ItemPlan, TensorLayout, TensorSpec, VideoDetail
 
 #: the processors' class-default ``videos_kwargs["size"]`` (transformers 5.24)
 PROCESSOR_VIDEO_SIZE: dict[str, dict[str, int]] = {
@@ -84,12 +84,11 @@ class OmniVideo(QwenVLVideo):
         self._check_options(hints, self.model_type)
         frame_request(self.p, hints)
 
-    def plan(self, video: DecodedVideo, hints: ItemHints) -> VideoPlan:
+    def plan(self, video: DecodedVideo, hints: ItemHints) -> ItemPlan[VideoDetail]:
         plan = super().plan(video, hints)
-        item = dataclasses.replace(plan.item, shapes=(*plan.item.shapes[:_BASE_SPECS], ("video_second_per_grid", ())))
-        return dataclasses.replace(plan, item=item)
+        return dataclasses.replace(plan, shapes=(*plan.shapes[:_BASE_SPECS], ("video_second_per_grid", ())))
 
-    def plan_tensors(self, plan: VideoPlan) -> dict[str, np.ndarray]:
+    def plan_tensors(self, plan: ItemPlan[VideoDetail]) -> dict[str, np.ndarray]:
         out = {k: v for k, v in super().plan_tensors(plan).items() if k != "second_per_grid_ts"}
         out["video_second_per_grid"] = np.array(self.second_per_grid, dtype=np.float32)
         return out

@@ -5,7 +5,7 @@ Stage: plan / preprocess / expand of ``video_url`` parts for ``qwen2_vl``,
 ``qwen2_5_vl`` and ``qwen3_vl``.  In: a clip's header facts
 (:class:`~mmgate.types.VideoMeta`) and per-item hints, then its decoded frames
 (:class:`~mmgate.types.DecodedVideo`); out: frame indices, a
-:class:`~mmgate.types.VideoPlan`, ``pixel_values`` rows and the replacement of
+:class:`~mmgate.types.ItemPlan` (detail: a :class:`~mmgate.types.VideoDetail`), ``pixel_values`` rows and the replacement of
 the template's ``<|video_pad|>``.
 
 Reference (transformers 5.24), the class ``AutoProcessor`` builds per bundle:
@@ -67,8 +67,8 @@ from mmgate.types import (
     Replacement,
     TensorLayout,
     TensorSpec,
+    VideoDetail,
     VideoMeta,
-    VideoPlan,
 )
 
 
@@ -165,8 +165,9 @@ class QwenVLVideo:
         return long_side_bound(lambda bound: self._resized(p, frames, height, width, bound), height, width,
                                hints.max_long_side_pixel, p.max_pixels, frames if qwen3 else 1, t_bar if qwen3 else 1)
 
-    def plan(self, video: DecodedVideo, hints: ItemHints) -> VideoPlan:
-        """Geometry of one decoded clip (its actual frame size, its sampled frame count)."""
+    def plan(self, video: DecodedVideo, hints: ItemHints) -> ItemPlan[VideoDetail]:
+        """Geometry of one decoded clip (its actual frame size, its sampled frame count); ``detail.geometry``:
+        ``(grid_t, grid_h, grid_w)``."""
         p = sized(self.p, hints)
         frames, height, width = len(video.frame_indices), video.height, video.width
         max_pixels = self.max_pixels_for(frames, height, width, hints)
@@ -182,33 +183,33 @@ class QwenVLVideo:
             ("pixel_values", (grid_t * gh * gw, p.patch_dim)), ("video_grid_thw", (3,)), ("patches_per_video", ()))
         if len(self.specs) > 3:
             shapes += (("second_per_grid_ts", ()),)
-        item = ItemPlan(modality=Modality.VIDEO, original_hw=(height, width), resized_hw=(rh, rw),
-                        num_tokens=grid_t * gh * gw // (p.merge_size**2), shapes=shapes, detail=(grid_t, gh, gw))
-        return VideoPlan(item=item, frame_indices=video.frame_indices, total_frames=video.meta.total_frames,
-                         source_fps=video.meta.fps, max_pixels=max_pixels)
+        return ItemPlan(modality=Modality.VIDEO, original_hw=(height, width), resized_hw=(rh, rw),
+                        num_tokens=grid_t * gh * gw // (p.merge_size**2), shapes=shapes,
+                        detail=VideoDetail.sampled(video, (grid_t, gh, gw), max_pixels))
 
-    def preprocess(self, video: DecodedVideo, plan: VideoPlan, raw: bool = False) -> np.ndarray:
+    def preprocess(self, video: DecodedVideo, plan: ItemPlan[VideoDetail], raw: bool = False) -> np.ndarray:
         """One clip -> ``[grid_t*grid_h*grid_w, C*T*P*P]`` rows, float32 (or raw uint8):
         :class:`~mmgate.models.video_pixels.FrameProcessor` (resize, pad time, patchify, normalize)."""
         p = self.p
-        return self._pixels(video.frames, plan.item.resized_hw if p.do_resize else None, p.resample, p.patch_size,
+        return self._pixels(video.frames, plan.resized_hw if p.do_resize else None, p.resample, p.patch_size,
                             p.merge_size, p.temporal_patch_size, raw)
 
-    def write_rows(self, video: DecodedVideo, plan: VideoPlan, raw: bool, sink: RowSink) -> int:
+    def write_rows(self, video: DecodedVideo, plan: ItemPlan[VideoDetail], raw: bool, sink: RowSink) -> int:
         """:meth:`preprocess`'s rows handed to ``sink(first_row, rows)`` one temporal patch at a time
         (:class:`~mmgate.models.family.VideoRowWriter`)."""
         p = self.p
-        return self._pixels.write_rows(video.frames, plan.item.resized_hw if p.do_resize else None, p.resample,
+        return self._pixels.write_rows(video.frames, plan.resized_hw if p.do_resize else None, p.resample,
                                        p.patch_size, p.merge_size, p.temporal_patch_size, raw, sink)
 
-    def plan_tensors(self, plan: VideoPlan) -> dict[str, np.ndarray]:
+    def plan_tensors(self, plan: ItemPlan[VideoDetail]) -> dict[str, np.ndarray]:
         """``video_grid_thw`` ``[3]`` and ``patches_per_video`` int64 of one clip, and for Qwen2.5-VL
         ``second_per_grid_ts`` (``Qwen2_5_VLProcessor._process_videos``: temporal_patch_size /
         sampled_fps, float32 there)."""
-        out = {"video_grid_thw": np.array(plan.item.detail, dtype=np.int64),
-               "patches_per_video": np.array(plan.item.primary_shape[0], dtype=np.int64)}
+        out = {"video_grid_thw": np.array(plan.detail.geometry, dtype=np.int64),
+               "patches_per_video": np.array(plan.primary_shape[0], dtype=np.int64)}
         if len(self.specs) > 3:
-            out["second_per_grid_ts"] = np.array(self.p.temporal_patch_size / plan.sampled_fps, dtype=np.float32)
+            out["second_per_grid_ts"] = np.array(self.p.temporal_patch_size / plan.detail.sampled_fps,
+                                                  dtype=np.float32)
         return out
 
     def _timestamp(self, seconds: float) -> tuple[int, ...]:
@@ -221,14 +222,14 @@ class QwenVLVideo:
                     self._timestamp_ids[text] = ids
         return ids
 
-    def expand(self, plan: VideoPlan) -> Replacement:
+    def expand(self, plan: ItemPlan[VideoDetail]) -> Replacement:
         """What replaces one ``<|video_pad|>``; the embedding range is the whole replacement."""
-        grid_t, gh, gw = plan.item.detail
+        grid_t, gh, gw = plan.detail.geometry
         if self.p.processor != QWEN3_VIDEO:
-            ids: tuple[int, ...] = (self.video_token_id,) * plan.item.num_tokens
+            ids: tuple[int, ...] = (self.video_token_id,) * plan.num_tokens
         else:
             frame = (self.vision_start_id,) + (self.video_token_id,) * (gh * gw // self.p.merge_size**2) + (
                 self.vision_end_id,)
-            stamps = qwen3_timestamps(plan.frame_indices, plan.source_fps, self.p.temporal_patch_size)
+            stamps = qwen3_timestamps(plan.detail.frame_indices, plan.detail.source_fps, self.p.temporal_patch_size)
             ids = tuple(t for s in stamps[:grid_t] for t in self._timestamp(s) + frame)
         return Replacement(token_ids=ids, embed_offset=0, embed_length=len(ids))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any, NamedTuple
 
@@ -288,7 +288,7 @@ class Pipeline:
                             choose_worker: Callable[[frozenset[Modality], RoutingKey], bool] | None = None,
                             defer_pixels: bool = False, segments: Sequence[tuple[str, bool]] | None = None,
                             add_special_tokens: bool | None = None,
-                            ) -> tuple[list[int], tuple[EncoderBatch, ...], tuple[ItemPlan, ...]]:
+                            ) -> tuple[list[int], tuple[EncoderBatch, ...], tuple[ItemPlan[Hashable], ...]]:
         """Prompt ids with one anchor per item + the plan's media -> expanded ids, encoder batches, plans.
 
         Anchor check, fetch+decode, preprocess, expand.  The one implementation
@@ -310,7 +310,7 @@ class Pipeline:
         family = self.runtime.family
         modalities = frozenset(r.modality for r in plan.media)
         batches: tuple[EncoderBatch, ...] = ()
-        plans: tuple[ItemPlan, ...] = ()
+        plans: tuple[ItemPlan[Hashable], ...] = ()
         if plan.media:
             assert family is not None  # _check_media refused media for text-only models
             groups: dict[Modality, list[MediaRef]] = {}
@@ -325,13 +325,12 @@ class Pipeline:
                                               for m, refs in groups.items()))
                 decoded = dict(zip(groups, loaded))
             with metrics.stage("preprocess", timings, self.runtime.served_name):
-                native = {m: [_at(r, SOURCES[m].plan, procs[m], d, r.hints) for d, r in zip(decoded[m], refs)]
-                          for m, refs in groups.items()}
-                items = {m: [SOURCES[m].item(pl) for pl in native[m]] for m in groups}
+                items = {m: [_at(r, SOURCES[m].plan, procs[m], d, r.hints) for d, r in zip(decoded[m], refs)]
+                         for m, refs in groups.items()}
                 prints = {m: [SOURCES[m].fingerprint(procs[m], d, self.settings) for d in decoded[m]] for m in groups}
                 hashes = {m: tuple(item_hash(d.content_hash, hinted(fp, r.hints))
                                    for d, fp, r in zip(decoded[m], prints[m], refs)) for m, refs in groups.items()}
-                reps = {m: [procs[m].expand(pl) for pl in native[m]] for m in groups}  # type: ignore[arg-type]
+                reps = {m: [procs[m].expand(pl) for pl in items[m]] for m in groups}  # type: ignore[arg-type]
                 raw = False
                 if choose_worker is not None:
                     raw = choose_worker(modalities, expanded_key(ids, {
@@ -343,7 +342,7 @@ class Pipeline:
                                    element_bytes(self.settings.transport, raw), limit)
                 first = plan.media[0].modality
                 made = await _all_or_none(*(
-                    self._preprocess(procs[m], decoded[m], native[m], items[m], prints[m], groups[m], raw,
+                    self._preprocess(procs[m], decoded[m], items[m], prints[m], groups[m], raw,
                                      defer_pixels and m is first)
                     for m in groups))
             with metrics.stage("expand", timings, self.runtime.served_name):
@@ -390,26 +389,26 @@ class Pipeline:
                          else by_anchor[procs[m].anchor_token_id])
         return ids, ranges
 
-    async def _preprocess(self, proc: MediaProcessor, decoded: Sequence[Any], native: Sequence[Any],
-                          plans: Sequence[ItemPlan], prints: Sequence[str], refs: Sequence[MediaRef], raw: bool,
+    async def _preprocess(self, proc: MediaProcessor, decoded: Sequence[Any], plans: Sequence[ItemPlan[Hashable]],
+                          prints: Sequence[str], refs: Sequence[MediaRef], raw: bool,
                           defer: bool = False) -> EncoderBatch:
         """One modality's batch: each distinct item's primary share computed once (the content-hash cache
         first, then the pool), the other tensors from the plans.
 
-        ``native``: the processor's own plans (what its ``preprocess`` takes); ``plans``: their shared
-        :class:`ItemPlan`; ``prints``: each item's fingerprint (:meth:`MediaSource.fingerprint`).  The cache
-        key is the item's content hash with its fingerprint, output form and hints.  The primary tensor is
+        ``plans``: the processor's plans of the items (what its ``preprocess`` takes); ``prints``: each item's
+        fingerprint (:meth:`MediaSource.fingerprint`).  The cache key is the item's content hash with its
+        fingerprint, output form and hints.  The primary tensor is
         computed by :meth:`_fill` into one array, or, with ``defer`` (and a layout that allows it,
         :func:`mmgate.models.family.deferrable`), later into whatever buffer the engine adapter gives the
         returned :class:`PendingTensor`.
         """
         spec = primary_spec(proc.specs)
         keys = [item_hash(d.content_hash, hinted(f"{fp}:raw={raw}", r.hints)) for d, fp, r in zip(decoded, prints, refs)]
-        items = {key: (d, pl) for key, d, pl in zip(keys, decoded, native)}
+        items = {key: (d, pl) for key, d, pl in zip(keys, decoded, plans)}
         dtype = np.dtype(np.uint8 if raw else np.float32)
         if not deferrable(spec, plans):
             shares = await self._compute(proc, items, keys, raw)
-            return assemble(proc, native, shares)
+            return assemble(proc, plans, shares)
         shape, firsts = primary_layout(spec, plans)
         width = int(np.prod(shape[1:], dtype=np.int64))
         rows = {key: item_rows(spec, pl) for key, pl in zip(keys, plans)}
@@ -426,10 +425,10 @@ class Pipeline:
                 items.clear()
 
         if defer:
-            return assemble(proc, native, PendingTensor(shape=shape, dtype=dtype, fill=fill))
+            return assemble(proc, plans, PendingTensor(shape=shape, dtype=dtype, fill=fill))
         values = np.empty(shape, dtype=dtype)
         await fill(BufferTarget(values.reshape(-1).view(np.uint8), width, dtype.itemsize, owner=values))
-        return assemble(proc, native, values)
+        return assemble(proc, plans, values)
 
     def _cached(self, key: str, proc: MediaProcessor) -> np.ndarray | None:
         """The cache's share under ``key`` (counted as a hit or miss of the modality), None without a cache."""
@@ -544,7 +543,7 @@ def _at(ref: MediaRef, fn: Callable[..., Any], *args: Any) -> Any:
         raise GatewayError(exc.code, exc.message, exc.param or ref.param) from None
 
 
-def _check_payload(items: Sequence[tuple[ItemPlan, MediaRef]], itemsize: int, limit: int) -> None:
+def _check_payload(items: Sequence[tuple[ItemPlan[Hashable], MediaRef]], itemsize: int, limit: int) -> None:
     """Refuse (413 ``multimodal_payload_too_large``, naming the largest item) planned encoder input
     of more than ``limit`` bytes: each item's primary share (``ItemPlan.primary_values``) x ``itemsize``.
 

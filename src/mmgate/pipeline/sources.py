@@ -10,7 +10,8 @@ A source is the only modality-specific piece of the pipeline's loop (:mod:`mmgat
   modality's byte cap) and decodes each distinct (URL, decode hints) once in the thread pool, with the
   modality's decoder (:mod:`mmgate.media.image`, :mod:`mmgate.media.video`, ``mmgate.media.audio``);
 * :meth:`MediaSource.plan` calls the processor's ``plan`` with what it takes (an image's size, a clip, a
-  waveform) and :meth:`MediaSource.item` reads the shared :class:`~mmgate.types.ItemPlan` out of it;
+  waveform): an :class:`~mmgate.types.ItemPlan`, the one plan type of every modality (its ``detail`` is
+  the processor's own and no generic code reads it);
 * :meth:`MediaSource.fingerprint` is the processor's fingerprint as it applies to one decoded item (a
   clip turned upright hashes apart from the same clip as stored).
 
@@ -44,8 +45,8 @@ from mmgate.types import (
     ItemPlan,
     MediaRef,
     Modality,
+    VideoDetail,
     VideoMeta,
-    VideoPlan,
 )
 
 #: ``decode(data, target_rate, limits) -> DecodedAudio``: mono float32 at ``target_rate`` Hz
@@ -77,12 +78,8 @@ class MediaSource(Protocol):
         """
         ...
 
-    def plan(self, proc: MediaProcessor, item: Any, hints: ItemHints) -> Any:
+    def plan(self, proc: MediaProcessor, item: Any, hints: ItemHints) -> ItemPlan[Hashable]:
         """The processor's plan of one decoded item (what its ``preprocess`` and ``expand`` take)."""
-        ...
-
-    def item(self, plan: Any) -> ItemPlan:
-        """The shared :class:`ItemPlan` of a plan from :meth:`plan`."""
         ...
 
     def fingerprint(self, proc: MediaProcessor, item: Any, settings: Settings) -> str:
@@ -161,9 +158,6 @@ class ImageSource:
         assert isinstance(proc, ImageProcessor)
         return proc.plan(item.height, item.width, hints)
 
-    def item(self, plan: ItemPlan) -> ItemPlan:
-        return plan
-
     def fingerprint(self, proc: MediaProcessor, item: DecodedImage, settings: Settings) -> str:
         return proc.fingerprint
 
@@ -190,7 +184,7 @@ class VideoSource:
             def sample(meta: VideoMeta) -> list[int]:
                 indices = proc.sample(meta, ref.hints)
                 if limit is not None:
-                    item = proc.plan(planned_clip(meta, indices), ref.hints).item
+                    item = proc.plan(planned_clip(meta, indices), ref.hints)
                     with planned_lock:
                         planned[(ref.url, ref.hints.fps)] = item.primary_values * itemsize
                         total = sum(planned.values())
@@ -210,12 +204,9 @@ class VideoSource:
         return await _load_each(ctx, refs, fs.video_max_bytes, lambda r: (r.url, r.hints.fps), decode, stop.set,
                                 logged)
 
-    def plan(self, proc: MediaProcessor, item: DecodedVideo, hints: ItemHints) -> VideoPlan:
+    def plan(self, proc: MediaProcessor, item: DecodedVideo, hints: ItemHints) -> ItemPlan[VideoDetail]:
         assert isinstance(proc, VideoProcessor)
         return proc.plan(item, hints)
-
-    def item(self, plan: VideoPlan) -> ItemPlan:
-        return plan.item
 
     def fingerprint(self, proc: MediaProcessor, item: DecodedVideo, settings: Settings) -> str:
         """A clip turned upright hashes apart from the same clip in its stored orientation
@@ -272,9 +263,6 @@ class AudioSource:
     def plan(self, proc: MediaProcessor, item: DecodedAudio, hints: ItemHints) -> ItemPlan:
         assert isinstance(proc, AudioProcessor)
         return proc.plan(item, hints)
-
-    def item(self, plan: ItemPlan) -> ItemPlan:
-        return plan
 
     def fingerprint(self, proc: MediaProcessor, item: DecodedAudio, settings: Settings) -> str:
         return proc.fingerprint
