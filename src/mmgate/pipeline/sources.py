@@ -21,6 +21,7 @@ How to add a modality: docs/architecture.md, "The modality seam".
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -33,7 +34,7 @@ from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.fetch import MediaFetcher
 from mmgate.media.image import decode_image
 from mmgate.media.video import PixelAllowance, decode_video, planned_clip, upright_turns
-from mmgate.models.family import AudioProcessor, ImageProcessor, MediaProcessor, VideoProcessor
+from mmgate.models.family import AudioProcessor, AudioTrackVideo, ImageProcessor, MediaProcessor, VideoProcessor
 from mmgate.observe import timing_log
 from mmgate.transport.limits import element_bytes, payload_too_large
 from mmgate.types import (
@@ -200,15 +201,18 @@ class VideoSource:
             return sample
 
         def decode(data: bytes, ref: MediaRef) -> DecodedVideo:
-            return decode_video(data, sampler(ref), allowance, vs.decode_timeout_s, stop,
+            clip = decode_video(data, sampler(ref), allowance, vs.decode_timeout_s, stop,
                                 apply_rotation=vs.apply_rotation)
+            return _with_audio_track(clip, data, proc, ref.hints, ctx.settings)
 
         def logged(data: bytes, clip: DecodedVideo, seconds: float) -> None:
             timing_log.video_decoded(len(data), len(clip.frame_indices), clip.height, clip.width, clip.rotation,
                                      seconds)
 
-        return await _load_each(ctx, refs, fs.video_max_bytes, lambda r: (r.url, r.hints.fps), decode, stop.set,
-                                logged)
+        def key(ref: MediaRef) -> Hashable:
+            return ref.url, ref.hints.fps, _track_rate(proc, ref.hints)
+
+        return await _load_each(ctx, refs, fs.video_max_bytes, key, decode, stop.set, logged)
 
     def plan(self, proc: MediaProcessor, item: DecodedVideo, hints: ItemHints) -> VideoPlan:
         assert isinstance(proc, VideoProcessor)
@@ -222,6 +226,33 @@ class VideoSource:
         (``--no-video-apply-rotation``)."""
         turned = settings.video.apply_rotation and upright_turns(item.rotation)
         return f"{proc.fingerprint}:upright" if turned else proc.fingerprint
+
+
+def _track_rate(proc: MediaProcessor, hints: ItemHints) -> int | None:
+    """The rate a clip's audio track is wanted at (:class:`~mmgate.models.family.AudioTrackVideo`), else None."""
+    return proc.audio_track_rate(hints) if isinstance(proc, AudioTrackVideo) else None
+
+
+def _with_audio_track(clip: DecodedVideo, data: bytes, proc: MediaProcessor, hints: ItemHints,
+                      settings: Settings) -> DecodedVideo:
+    """``clip`` with its audio track decoded as an audio part is (:func:`default_audio_decoder`: the same
+    demuxers, downmix, resampling, duration cap and timeout) when its processor wants it; a container without
+    an audio stream gives a clip without one, as the reference skips a silent video's track (transformers 5.24
+    ``OmniModalProcessorMixin._resolve_audio_from_video``).
+
+    Raises:
+        GatewayError: the audio decoder's refusals other than AUDIO_NO_STREAM (e.g. an over-long track).
+    """
+    rate = _track_rate(proc, hints)
+    if rate is None:
+        return clip
+    try:
+        audio = default_audio_decoder()(data, rate, settings.audio)
+    except GatewayError as exc:
+        if exc.code is ErrorCode.AUDIO_NO_STREAM:
+            return clip
+        raise
+    return dataclasses.replace(clip, audio=audio)
 
 
 def default_audio_decoder() -> AudioDecoder:
