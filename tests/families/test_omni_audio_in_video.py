@@ -227,3 +227,30 @@ def test_the_track_hashes_apart_from_its_clip(tmp_path: Path) -> None:
     prepared = prepare(OMNI[1], [video_part(path)], TEXT, kwargs={"use_audio_in_video": True})
     video, audio = (next(b for b in prepared.batches if b.modality is m) for m in (Modality.VIDEO, Modality.AUDIO))
     assert len(video.mm_hashes) == len(audio.mm_hashes) == 1 and video.mm_hashes != audio.mm_hashes
+
+
+@pytest.mark.parametrize("model", OMNI, ids=lambda m: m.split("/")[1])
+def test_the_interleaving_is_the_processor_s_for_every_geometry(model: str) -> None:
+    """:data:`~mmgate.models.qwen_omni_video.INTERLEAVE` against the processor's own
+    ``replace_video_with_audio_token`` (called with its class defaults ``position_id_per_seconds`` and
+    ``seconds_per_chunk``) over clip lengths, frame sizes, both ``video_second_per_grid`` values mmgate sends
+    (1.0 and 2.0) and one that skips chunks (4.0), and tracks shorter and longer than the frames."""
+    from mmgate.models.qwen_omni_video import INTERLEAVE
+
+    proc = processor(model)
+    merge = proc.video_processor.merge_size
+    model_type = "qwen2_5_omni" if "2.5" in model else "qwen3_omni_moe"
+    vid, aid = proc.video_token_id, proc.audio_token_id
+    kwargs = {"position_id_per_seconds": type(proc).position_id_per_seconds,
+              "seconds_per_chunk": type(proc).seconds_per_chunk}
+    for grid_t in (1, 2, 5, 16):
+        for h, w in ((2, 2), (4, 6)):
+            for spg in (1.0, 2.0, 4.0):
+                for audio_tokens in (1, 13, 50, 51, 130, 777):
+                    ref = proc.replace_video_with_audio_token(
+                        {"video_grid_thw": np.array([[grid_t, h, w]]), "video_second_per_grid": [spg]}, 0,
+                        {"num_audio_tokens": np.array([audio_tokens])}, 0, **kwargs)
+                    runs = INTERLEAVE[model_type](grid_t, (h // merge) * (w // merge), spg, audio_tokens, vid, aid)
+                    ids = [tid for tid, count in runs for _ in range(count)]
+                    expected = proc.tokenizer.encode(ref, add_special_tokens=False)
+                    assert [expected[0], *ids, expected[-1]] == expected, (grid_t, h, w, spg, audio_tokens)
