@@ -22,58 +22,19 @@ from __future__ import annotations
 import base64
 import copy
 import warnings
-from fractions import Fraction
 from pathlib import Path
 
-import av
 import numpy as np
 import pytest
 
 from mmgate.engines.wire_values import embedding_runs
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.types import Modality, PreparedRequest
-from tests.video.video_support import frame_pixels, load, prepare, processor, video_part, vllm_video_kwargs
+from tests.support.av_clips import av_clip, track
+from tests.video.video_support import load, prepare, processor, video_part, vllm_video_kwargs
 
 OMNI = ("Qwen/Qwen2.5-Omni-7B", "Qwen/Qwen3-Omni-30B-A3B-Instruct")
 TEXT = "What happens?"
-
-
-def av_clip(folder: Path, name: str, seconds: float, fps: int = 10, size: tuple[int, int] = (96, 64),
-            rate: int | None = 44100) -> Path:
-    """An mp4 of ``seconds`` of h264 frames at ``fps`` and, with ``rate``, an aac stereo tone of the same length."""
-    path = folder / f"{name}.mp4"
-    width, height = size
-    with av.open(str(path), "w") as out:
-        video = out.add_stream("libx264", rate=fps)
-        video.width, video.height, video.pix_fmt = width, height, "yuv420p"
-        video.options = {"preset": "ultrafast", "crf": "18"}
-        audio = out.add_stream("aac", rate=rate, layout="stereo") if rate else None
-        for i in range(int(seconds * fps)):
-            for packet in video.encode(av.VideoFrame.from_ndarray(frame_pixels(i, height, width), format="rgb24")):
-                out.mux(packet)
-        for packet in video.encode():
-            out.mux(packet)
-        if audio is not None and rate is not None:
-            n = int(seconds * rate)
-            t = np.arange(n) / rate
-            wave = np.stack([0.3 * np.sin(2 * np.pi * 440 * t), 0.2 * np.sin(2 * np.pi * 660 * t)]).astype(np.float32)
-            for start in range(0, n, 1024):
-                frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(wave[:, start:start + 1024]), format="fltp",
-                                                   layout="stereo")
-                frame.sample_rate, frame.pts, frame.time_base = rate, start, Fraction(1, rate)
-                for packet in audio.encode(frame):
-                    out.mux(packet)
-            for packet in audio.encode():
-                out.mux(packet)
-    return path
-
-
-def track(path: Path) -> np.ndarray:
-    """The clip's audio as mmgate's decoder gives it (mono float32 at 16 kHz): the waveform fed to the reference."""
-    from mmgate.media.audio import decode_audio
-
-    return decode_audio(path.read_bytes(), 16000, max_input_bytes=1 << 30, max_duration_s=600.0,
-                        timeout_s=30.0).samples
 
 
 def wav_part(samples: np.ndarray) -> dict:
