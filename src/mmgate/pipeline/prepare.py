@@ -16,6 +16,11 @@ clip is sampled from its header (the family's frame sampler), checked against
 the request's decoded-pixel allowance, decoded and preprocessed in the pool,
 one clip per task.  Images and videos become one :class:`EncoderBatch` each,
 in the order their modality first appears in the prompt.
+
+A clip whose processor asked for its audio track (:class:`~mmgate.models.family.AudioTrackVideo`) brings
+an audio item with no anchor (:mod:`mmgate.pipeline.companions`): it joins the audio batch at the clip's
+prompt position, the clip's update carries both runs, and the request's modalities include audio from
+then on (worker selection sees it).
 """
 
 from __future__ import annotations
