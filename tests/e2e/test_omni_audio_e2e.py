@@ -337,3 +337,31 @@ def test_a_clip_with_audio_reaches_the_thinker_with_the_processor_s_prompt(
         assert np.array_equal(rec["pixel_values_videos"], ref["pixel_values_videos"])
         assert np.array_equal(rec["video_grid_thw"], ref["video_grid_thw"])
         assert np.array_equal(rec["video_second_per_grid"], np.asarray(ref["video_second_per_grid"], np.float32))
+
+
+def test_a_clip_s_track_to_a_vllm_worker_is_refused_at_worker_selection(tmp_path: Path) -> None:
+    """``use_audio_in_video: true`` with a clip that has a track makes the request carry audio: router-side audio
+    goes to TokenSpeed only, so a gateway with only a vLLM worker refuses it (400 ``multimodal_not_supported``)
+    once the clip is decoded (a silent clip would not bring audio: the fetch decides), and without the option the
+    same clip goes through to the worker."""
+    from tests.support.av_clips import av_clip
+
+    folder = BUNDLES["qwen3_omni_moe"]
+    worker = FakeWorker(FakeWorkerState(model_type="qwen3_omni_moe"))
+    try:
+        settings = parse_settings(["--model", str(bundle_dir(folder)), "--served-model-name", "omni",
+                                   "--worker-urls", worker.url, "--mm-processing", "router"], {})
+        path = av_clip(tmp_path, "to-vllm", 1.2)
+        with gateway_in_thread(settings) as base:
+            content = [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + b64(path.read_bytes())}},
+                       {"type": "text", "text": "?"}]
+            body: dict[str, Any] = {"model": "omni", "max_tokens": 1,
+                                    "messages": [{"role": "user", "content": content}]}
+            resp = httpx.post(base + "/v1/chat/completions", json={
+                **body, "mm_processor_kwargs": {"use_audio_in_video": True}}, timeout=60)
+            assert resp.status_code == 400 and resp.headers["X-SMG-Error-Code"] == "multimodal_not_supported", \
+                resp.text
+            resp = httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
+            assert resp.status_code == 200, resp.text
+    finally:
+        worker.stop()
