@@ -24,11 +24,13 @@ import copy
 import warnings
 from pathlib import Path
 
+import av
 import numpy as np
 import pytest
 
 from mmgate.engines.wire_values import embedding_runs
 from mmgate.errors import ErrorCode, GatewayError
+from mmgate.models.backend import FrameSampling
 from mmgate.types import Modality, PreparedRequest
 from tests.support.av_clips import av_clip, track
 from tests.video.video_support import load, prepare, processor, video_part, vllm_video_kwargs
@@ -129,6 +131,33 @@ def test_a_clip_with_its_audio_track_equals_the_processor(model: str, seconds: f
     assert runs_of(prepared, Modality.AUDIO) == token_runs(ids, proc.audio_token_id)
     assert len(token_runs(ids, proc.audio_token_id)) > 1 or seconds < 2
     assert [p.modality for p in prepared.plans] == [Modality.VIDEO, Modality.AUDIO]
+
+
+def test_a_track_muxed_in_mpeg_ts_is_found(tmp_path: Path) -> None:
+    """A clip's track is read with the video decoder's demuxers and stream probing, not the audio parts' (whose
+    whitelist has no MPEG-TS, and whose 2 KiB probe is sized for audio files; MPEG-TS announces its streams in
+    packets, not in a header).  transformers' pyav loader
+    cannot read the clip (no frame count in the header), so every frame goes to both sides
+    (``--video-frame-sampling transformers``: the processor's own default fps) as PyAV decodes them."""
+    model = OMNI[0]
+    path = av_clip(tmp_path, "muxed", 2.5, container="mpegts")
+    prepared = prepare(model, [video_part(path)], TEXT, sampling=FrameSampling.TRANSFORMERS,
+                       kwargs={"use_audio_in_video": True})
+    with av.open(str(path)) as container:
+        frames = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+    proc = processor(model)
+    prompt = proc.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": TEXT}]}],
+                                      add_generation_prompt=True, tokenize=False)
+    wave = track(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = dict(proc(text=[prompt], videos=[frames], audio=[wave], audio_from_video_indices=[0],
+                        use_audio_in_video=True, return_tensors="np",
+                        videos_kwargs={"do_sample_frames": False, "cap_pixels_per_frame": False}))
+    assert list(prepared.input_ids) == ref["input_ids"][0].tolist()
+    assert proc.audio_token_id in prepared.input_ids
+    check_video(prepared, ref)
+    check_audio(prepared, ref, model, [wave])
 
 
 @pytest.mark.parametrize("model", OMNI, ids=lambda m: m.split("/")[1])

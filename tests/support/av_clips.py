@@ -14,11 +14,12 @@ from tests.video.video_support import frame_pixels
 
 
 def av_clip(folder: Path, name: str, seconds: float, fps: int = 10, size: tuple[int, int] = (96, 64),
-            rate: int | None = 44100) -> Path:
-    """An mp4 of ``seconds`` of h264 frames at ``fps`` and, with ``rate``, an aac stereo tone of the same length."""
-    path = folder / f"{name}.mp4"
+            rate: int | None = 44100, container: str = "mp4") -> Path:
+    """An mp4 (or another ``container``: ``mpegts``) of ``seconds`` of h264 frames at ``fps`` and, with ``rate``,
+    an aac stereo tone of the same length."""
+    path = folder / f"{name}.{'ts' if container == 'mpegts' else container}"
     width, height = size
-    with av.open(str(path), "w") as out:
+    with av.open(str(path), "w", format=container) as out:
         video = out.add_stream("libx264", rate=fps)
         video.width, video.height, video.pix_fmt = width, height, "yuv420p"
         video.options = {"preset": "ultrafast", "crf": "18"}
@@ -44,8 +45,10 @@ def av_clip(folder: Path, name: str, seconds: float, fps: int = 10, size: tuple[
 
 
 def track(path: Path) -> np.ndarray:
-    """The clip's audio as mmgate's decoder gives it (mono float32 at 16 kHz): the waveform fed to the reference."""
+    """The clip's audio as mmgate's decoder gives it for a clip (mono float32 at 16 kHz, the video decoder's
+    demuxers): the waveform fed to the reference (decode parity is tests/audio's)."""
     from mmgate.media.audio import decode_audio
+    from mmgate.media.video import ALLOWED_DEMUXERS
 
     return decode_audio(path.read_bytes(), 16000, max_input_bytes=1 << 30, max_duration_s=600.0,
-                        timeout_s=30.0).samples
+                        timeout_s=30.0, demuxers=ALLOWED_DEMUXERS).samples

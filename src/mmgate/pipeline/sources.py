@@ -33,6 +33,7 @@ from mmgate.config.settings import AudioSettings, Settings
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.fetch import MediaFetcher
 from mmgate.media.image import decode_image
+from mmgate.media.video import ALLOWED_DEMUXERS as VIDEO_DEMUXERS
 from mmgate.media.video import PixelAllowance, decode_video, planned_clip, upright_turns
 from mmgate.models.family import AudioProcessor, AudioTrackVideo, ImageProcessor, MediaProcessor, VideoProcessor
 from mmgate.observe import timing_log
@@ -235,9 +236,10 @@ def _track_rate(proc: MediaProcessor, hints: ItemHints) -> int | None:
 
 def _with_audio_track(clip: DecodedVideo, data: bytes, proc: MediaProcessor, hints: ItemHints,
                       settings: Settings) -> DecodedVideo:
-    """``clip`` with its audio track decoded as an audio part is (:func:`default_audio_decoder`: the same
-    demuxers, downmix, resampling, duration cap and timeout) when its processor wants it; a container without
-    an audio stream gives a clip without one, as the reference skips a silent video's track (transformers 5.24
+    """``clip`` with its audio track when its processor wants it, decoded as an audio part is
+    (:func:`mmgate.media.audio.decode_audio`: downmix, resampling, the duration cap and the decode timeout of
+    ``--audio-*``), from the clip's own bytes with the video decoder's demuxers; a container without an audio
+    stream gives a clip without one, as the reference skips a silent video's track (transformers 5.24
     ``OmniModalProcessorMixin._resolve_audio_from_video``).
 
     Raises:
@@ -247,7 +249,14 @@ def _with_audio_track(clip: DecodedVideo, data: bytes, proc: MediaProcessor, hin
     if rate is None:
         return clip
     try:
-        audio = default_audio_decoder()(data, rate, settings.audio)
+        from mmgate.media.audio import decode_audio
+    except ImportError:
+        raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED,
+                           "a clip's audio track needs the audio decoder (mmgate.media.audio, PyAV)") from None
+    limits = settings.audio
+    try:
+        audio = decode_audio(data, rate, max_input_bytes=len(data), max_duration_s=limits.max_duration_s,
+                             timeout_s=limits.decode_timeout_s, demuxers=VIDEO_DEMUXERS)
     except GatewayError as exc:
         if exc.code is ErrorCode.AUDIO_NO_STREAM:
             return clip
