@@ -146,8 +146,9 @@ def test_a_track_muxed_in_mpeg_ts_is_found(tmp_path: Path) -> None:
     with av.open(str(path)) as container:
         frames = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
     proc = processor(model)
-    prompt = proc.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": TEXT}]}],
-                                      add_generation_prompt=True, tokenize=False)
+    content = [{"type": "video"}, {"type": "text", "text": TEXT}]
+    prompt = proc.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                      tokenize=False)
     wave = track(path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -55,7 +55,8 @@ from mmgate.types import (
     VideoPlan,
 )
 
-__all__ = ["AudioProcessor", "AudioTrackVideo", "Family", "FamilyClass", "ImageOnlyFamily", "ImageProcessor", "ImageVideoFamily",
+__all__ = ["AudioProcessor", "AudioTrackVideo", "Family", "FamilyClass", "ImageOnlyFamily", "ImageProcessor",
+           "ImageVideoFamily",
            "MediaProcessor", "RowSink", "RowWriter", "Transcriber", "TranscriptStream", "VideoProcessor",
            "VideoRowWriter", "assemble", "combine", "deferrable", "primary_spec", "processor", "processor_map"]
 
