@@ -337,6 +337,8 @@ def test_a_clip_with_audio_reaches_the_thinker_with_the_processor_s_prompt(
         assert np.array_equal(rec["pixel_values_videos"], ref["pixel_values_videos"])
         assert np.array_equal(rec["video_grid_thw"], ref["video_grid_thw"])
         assert np.array_equal(rec["video_second_per_grid"], np.asarray(ref["video_second_per_grid"], np.float32))
+        # a clip next to an audio part is not a clip carrying its track: the thinker's flag stays off
+        assert "use_audio_in_video" not in rec.files
 
 
 def test_a_clip_s_track_to_a_vllm_worker_is_refused_at_worker_selection(tmp_path: Path) -> None:
