@@ -134,6 +134,10 @@ class DecodedVideo:
     rotation: int
     content_hash: str  # blake3 hex of the original (encoded) bytes
     num_bytes: int
+    #: the clip's audio track, decoded like an audio part, when its video processor asked for it
+    #: (:class:`~mmgate.models.family.AudioTrackVideo`: Qwen-Omni's ``use_audio_in_video``) and the container
+    #: has an audio stream; None otherwise (a silent clip, or not asked)
+    audio: DecodedAudio | None = None
 
     @property
     def height(self) -> int:

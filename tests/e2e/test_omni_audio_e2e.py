@@ -15,7 +15,10 @@ samples them).  Worker path: the same image + audio request as media references 
 that processes them itself (``--mm-processing worker``; the reference engine's worker-side processor is
 mmgate's own pipeline, a real vLLM worker runs its HF processor).
 
-Refusals through HTTP with the real Omni family: ``use_audio_in_video: true`` (400 ``invalid_request``),
+A clip with its audio track under ``use_audio_in_video: true``: the interleaved prompt, the track's features
+and the thinker's ``use_audio_in_video`` flag.
+
+Refusals through HTTP with the real Omni family: a non-bool ``use_audio_in_video`` (400 ``invalid_request``),
 a corrupt clip (400 ``audio_decode_failed``), a clip over ``--audio-max-duration`` (413
 ``audio_too_long``), an ``audio_url`` over ``--audio-max-input-bytes`` (413 ``media_too_large``), and
 router-side audio to a vLLM or an SGLang worker (400 ``multimodal_not_supported``, no fetch).
@@ -159,9 +162,55 @@ def test_input_audio_audio_url_and_image_reach_the_thinker_with_the_processor_s_
         assert np.array_equal(features[k, :, :valid], alone["input_features"][0, :, :valid]), f"clip {k}"
 
 
-def test_use_audio_in_video_true_is_refused(stack: tuple[str, str, Path], origin: MediaOrigin) -> None:
+def test_a_clip_with_its_audio_track_reaches_the_thinker_with_the_processor_s_prompt(
+        stack: tuple[str, str, Path], tmp_path: Path) -> None:
+    """``use_audio_in_video: true`` with an mp4 carrying frames and an aac track: the thinker runs the interleaved
+    prompt (``usage.prompt_tokens`` and the recorded ids are the processor's, given the same frames and the
+    waveform mmgate decoded from the track), the track's features as the processor's, and the engine sets the
+    thinker's ``use_audio_in_video`` (read from the prompt: no wire carries it) so its M-RoPE positions are the
+    interleaved ones."""
+    import copy
+    import warnings
+
+    from tests.support.av_clips import av_clip, track
+    from tests.video.video_support import load, vllm_sampling_kwargs
+
+    model_type, base, record = stack
+    path = av_clip(tmp_path, "track", 2.6)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    content = [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + b64(path.read_bytes())}},
+               {"type": "text", "text": "What do you see and hear?"}]
+    before = set(record.glob("*.npz"))
+    completion = client.chat.completions.create(model=model_type, messages=[{"role": "user", "content": content}],
+                                                max_tokens=2, temperature=0,
+                                                extra_body={"mm_processor_kwargs": {"use_audio_in_video": True}})
+    proc = processor(BUNDLES[model_type])
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What do you see and hear?"}]}]
+    text = proc.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    frames, meta = load(path)
+    wave = track(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = proc(text=text, videos=[frames], video_metadata=[copy.deepcopy(meta)], audio=[wave],
+                   audio_from_video_indices=[0], use_audio_in_video=True, return_tensors="np",
+                   videos_kwargs={"cap_pixels_per_frame": False, **vllm_sampling_kwargs(proc)})
+    ids = ref["input_ids"][0].tolist()
+    assert proc.audio_token_id in ids
+    assert completion.usage is not None and completion.usage.prompt_tokens == len(ids)
+    (recorded,) = set(record.glob("*.npz")) - before
+    with np.load(recorded, allow_pickle=False) as rec:
+        assert rec["input_ids"].reshape(-1).tolist() == ids
+        assert bool(rec["use_audio_in_video"])
+        assert np.array_equal(rec["pixel_values_videos"], ref["pixel_values_videos"])
+        assert np.array_equal(rec["video_grid_thw"], ref["video_grid_thw"])
+        valid = int(ref["feature_attention_mask"][0].sum())
+        assert rec["feature_attention_mask"].sum(-1).tolist() == [valid]
+        assert np.array_equal(rec["input_features"][0, :, :valid], ref["input_features"][0, :, :valid])
+
+
+def test_a_non_bool_use_audio_in_video_is_refused(stack: tuple[str, str, Path], origin: MediaOrigin) -> None:
     model_type, base, _ = stack
-    body = {"model": model_type, "max_tokens": 1, "mm_processor_kwargs": {"use_audio_in_video": True},
+    body = {"model": model_type, "max_tokens": 1, "mm_processor_kwargs": {"use_audio_in_video": "yes"},
             "messages": [{"role": "user", "content": [audio_parts(origin, f"uav-{model_type}")[0],
                                                       {"type": "text", "text": "?"}]}]}
     resp = httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
@@ -288,3 +337,33 @@ def test_a_clip_with_audio_reaches_the_thinker_with_the_processor_s_prompt(
         assert np.array_equal(rec["pixel_values_videos"], ref["pixel_values_videos"])
         assert np.array_equal(rec["video_grid_thw"], ref["video_grid_thw"])
         assert np.array_equal(rec["video_second_per_grid"], np.asarray(ref["video_second_per_grid"], np.float32))
+        # a clip next to an audio part is not a clip carrying its track: the thinker's flag stays off
+        assert "use_audio_in_video" not in rec.files
+
+
+def test_a_clip_s_track_to_a_vllm_worker_is_refused_at_worker_selection(tmp_path: Path) -> None:
+    """``use_audio_in_video: true`` with a clip that has a track makes the request carry audio: router-side audio
+    goes to TokenSpeed only, so a gateway with only a vLLM worker refuses it (400 ``multimodal_not_supported``)
+    once the clip is decoded (a silent clip would not bring audio: the fetch decides), and without the option the
+    same clip goes through to the worker."""
+    from tests.support.av_clips import av_clip
+
+    folder = BUNDLES["qwen3_omni_moe"]
+    worker = FakeWorker(FakeWorkerState(model_type="qwen3_omni_moe"))
+    try:
+        settings = parse_settings(["--model", str(bundle_dir(folder)), "--served-model-name", "omni",
+                                   "--worker-urls", worker.url, "--mm-processing", "router"], {})
+        path = av_clip(tmp_path, "to-vllm", 1.2)
+        with gateway_in_thread(settings) as base:
+            content = [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + b64(path.read_bytes())}},
+                       {"type": "text", "text": "?"}]
+            body: dict[str, Any] = {"model": "omni", "max_tokens": 1,
+                                    "messages": [{"role": "user", "content": content}]}
+            resp = httpx.post(base + "/v1/chat/completions", json={
+                **body, "mm_processor_kwargs": {"use_audio_in_video": True}}, timeout=60)
+            assert resp.status_code == 400 and resp.headers["X-SMG-Error-Code"] == "multimodal_not_supported", \
+                resp.text
+            resp = httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
+            assert resp.status_code == 200, resp.text
+    finally:
+        worker.stop()

@@ -15,7 +15,7 @@ tests/audio's) and the same image:
   processor's mask (Qwen3-Omni; Qwen2.5-Omni's is over 30000 padded frames, compared on the valid ones);
 * the placeholder range of each clip is its pad run.
 
-Plus the refusals the family owns (``use_audio_in_video: true``, unknown options) and its item limits.
+Plus the refusals the family owns (a non-bool ``use_audio_in_video``, unknown options) and its item limits.
 """
 
 from __future__ import annotations
@@ -168,17 +168,23 @@ def iter_run(ids: list[int], start: int, token: int):
 
 
 @pytest.mark.parametrize("folder", BUNDLES, ids=lambda f: f.split("--")[1])
-def test_use_audio_in_video_true_and_unknown_options_are_refused(folder: str) -> None:
+def test_use_audio_in_video_must_be_a_bool_and_unknown_options_are_refused(folder: str) -> None:
     png = image_png()
-    with pytest.raises(GatewayError) as err:
-        prepare(folder, chat_body(folder, png, CLIP_BYTES, mm_processor_kwargs={"use_audio_in_video": True}))
-    assert err.value.code is ErrorCode.INVALID_REQUEST and err.value.param == "mm_processor_kwargs.use_audio_in_video"
+    for bad in ("yes", 1):
+        with pytest.raises(GatewayError) as err:
+            prepare(folder, chat_body(folder, png, CLIP_BYTES, mm_processor_kwargs={"use_audio_in_video": bad}))
+        assert err.value.code is ErrorCode.INVALID_REQUEST
+        assert err.value.param == "mm_processor_kwargs.use_audio_in_video"
     with pytest.raises(GatewayError) as err:
         prepare(folder, chat_body(folder, png, CLIP_BYTES, mm_processor_kwargs={"fps": 2}))
     assert err.value.code is ErrorCode.INVALID_REQUEST and err.value.param == "mm_processor_kwargs.fps"
-    # false is the reference's default (and what smg sends): taken
-    ok = prepare(folder, chat_body(folder, png, CLIP_BYTES, mm_processor_kwargs={"use_audio_in_video": False}))
-    assert {b.modality for b in ok.batches} == {Modality.IMAGE, Modality.AUDIO}
+    # false is the reference's default (and what smg sends); true without a video changes nothing (the
+    # processor loads tracks of videos only): clips with a track are tests/families/test_omni_audio_in_video.py's
+    plain = prepare(folder, chat_body(folder, png, CLIP_BYTES))
+    for value in (False, True):
+        ok = prepare(folder, chat_body(folder, png, CLIP_BYTES, mm_processor_kwargs={"use_audio_in_video": value}))
+        assert {b.modality for b in ok.batches} == {Modality.IMAGE, Modality.AUDIO}
+        assert ok.input_ids == plain.input_ids
 
 
 @pytest.mark.parametrize("folder", BUNDLES, ids=lambda f: f.split("--")[1])

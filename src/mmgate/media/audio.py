@@ -137,7 +137,7 @@ def _decode_planar(container: Any, stream: Any, max_samples: int, max_duration_s
 
 
 def decode_audio(data: bytes, target_rate: int, *, max_input_bytes: int, max_duration_s: float,
-                 timeout_s: float) -> DecodedAudio:
+                 timeout_s: float, demuxers: str | None = None) -> DecodedAudio:
     """Decode, downmix to mono and resample to ``target_rate`` as vLLM's loader does (module docstring).
 
     Args:
@@ -146,6 +146,9 @@ def decode_audio(data: bytes, target_rate: int, *, max_input_bytes: int, max_dur
         max_input_bytes: the byte cap (``--audio-max-input-bytes``), checked before opening.
         max_duration_s: the duration cap, on the header and on the decoded samples.
         timeout_s: wall-clock limit of decoding this clip.
+        demuxers: the track of a video container: these demuxers (the video decoder's) and FFmpeg's default
+            stream probing (a muxed file, e.g. MPEG-TS, may announce its audio stream only after 2 KiB); None:
+            an audio file (``ALLOWED_DEMUXERS``, the short probe).
 
     Returns:
         The clip; ``samples`` float32 ``[resampled_length(n, source_rate, target_rate)]``.
@@ -171,7 +174,9 @@ def decode_audio(data: bytes, target_rate: int, *, max_input_bytes: int, max_dur
         raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED, "audio input needs PyAV and soxr") from None
     deadline = _Deadline(timeout_s)
     try:
-        container = av.open(io.BytesIO(data), mode="r", container_options=dict(_CONTAINER_OPTIONS))
+        options = dict(_CONTAINER_OPTIONS) if demuxers is None else {"format_whitelist": demuxers,
+                                                                      "protocol_whitelist": "none"}
+        container = av.open(io.BytesIO(data), mode="r", container_options=options)
     except (av.FFmpegError, ValueError, OSError) as exc:
         raise _failed(f"not a supported container: {type(exc).__name__}") from None
     try:

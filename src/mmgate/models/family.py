@@ -56,7 +56,8 @@ from mmgate.types import (
     VideoMeta,
 )
 
-__all__ = ["AudioProcessor", "Family", "FamilyClass", "ImageOnlyFamily", "ImageProcessor", "ImageVideoFamily",
+__all__ = ["AudioProcessor", "AudioTrackVideo", "Family", "FamilyClass", "ImageOnlyFamily", "ImageProcessor",
+           "ImageVideoFamily",
            "MediaProcessor", "RowSink", "RowWriter", "Transcriber", "TranscriptStream", "VideoProcessor",
            "VideoRowWriter", "assemble", "combine", "deferrable", "primary_spec", "processor", "processor_map"]
 
@@ -180,6 +181,23 @@ class VideoProcessor(_Processor, Protocol):
 
     def expand(self, plan: ItemPlan[VideoDetail]) -> Replacement:
         """The prompt update replacing this clip's anchor."""
+        ...
+
+
+@runtime_checkable
+class AudioTrackVideo(Protocol):
+    """Optional for a :class:`VideoProcessor` whose model hears a clip's audio track with its frames (Qwen-Omni's
+    ``use_audio_in_video``): the clip's audio becomes an item of the family's audio processor with no anchor of its
+    own (a *companion* of the clip), planned, hashed and preprocessed as an audio part; the clip's prompt update
+    interleaves both runs, and the companion's placeholder range is the span of the audio placeholder token inside
+    the clip's range (vLLM ``_derive_audio_from_video_placeholders``: the audio shares the video's span)."""
+
+    def audio_track_rate(self, hints: ItemHints) -> int | None:
+        """The rate (Hz) the clip's audio track is wanted at for an item with ``hints``; None: not wanted."""
+        ...
+
+    def expand_with_audio(self, plan: ItemPlan[VideoDetail], audio: ItemPlan) -> Replacement:
+        """The prompt update of a clip whose audio track is planned as ``audio`` (the family's audio plan)."""
         ...
 
 

@@ -39,10 +39,11 @@ alone (:func:`~mmgate.models.audio_features.log_mel_features`): the reference in
 clips of different lengths (Qwen3-Omni ``padding=True``) zero-pads the shorter ones to the
 longest, which changes their last frames; vLLM does the same per clip (docs/parity.md "Audio").
 
-Not here: video (the ``<|VIDEO|>`` / ``<|video_pad|>`` tokens are reserved, a video part is
-refused with ``multimodal_not_supported``) and ``use_audio_in_video`` (``mm_processor_kwargs``
-``use_audio_in_video: true`` is refused with ``invalid_request``; ``false``, the reference's
-default and what smg sends, is taken).
+Video: :mod:`mmgate.models.qwen_omni_video`.  ``mm_processor_kwargs`` ``use_audio_in_video`` (a bool;
+``false``, the reference's default and what smg sends): with ``true`` each clip's audio track becomes an
+audio item of this family (a companion of the clip, :mod:`mmgate.pipeline.companions`) and the clip's run
+interleaves video and audio pad tokens as the processor's ``replace_video_with_audio_token``; a request without
+video is unaffected (the processor loads tracks only when there are videos).
 
 Limits per request: image 10, audio 10 (smg ``registry/qwen3_omni.rs`` ``modality_limits``; smg
 has no Qwen2.5-Omni spec, the same numbers are used for it).
@@ -66,8 +67,8 @@ from mmgate.models.audio_features import (
 from mmgate.models.backend import FrameSampling, ImageBackend
 from mmgate.models.bundle import ModelBundle
 from mmgate.models.family import MediaProcessor, processor_map
-from mmgate.models.processor_options import check_option_types, option_error
-from mmgate.models.qwen_omni_video import OmniVideo
+from mmgate.models.processor_options import check_option_types
+from mmgate.models.qwen_omni_video import AudioTrack, OmniVideo
 from mmgate.models.qwen_vl import QwenVLImage, image_params_from_config
 from mmgate.types import DecodedAudio, ItemHints, ItemPlan, Modality, Replacement, TensorLayout, TensorSpec
 
@@ -82,23 +83,17 @@ _TOKENS: dict[str, tuple[str, str, str, str, str]] = {
 _PAD_TO_MAX: dict[str, bool] = {"qwen2_5_omni": True, "qwen3_omni_moe": False}
 #: ``Qwen3OmniMoeProcessor.n_window`` (5.24 class attribute; the model's ``audio_config.n_window`` is 50 too)
 _QWEN3_N_WINDOW = 50
-#: the request options the Omni processors take here (``use_audio_in_video``: false only)
+#: the request options the Omni processors take here
 OPTION_TYPES: dict[str, tuple[type, ...]] = {"use_audio_in_video": (bool,)}
 
 
 def check_omni_options(hints: ItemHints, model_type: str) -> None:
-    """``mm_processor_kwargs``: only ``use_audio_in_video: false`` (the default).
+    """``mm_processor_kwargs``: only ``use_audio_in_video``, a bool.
 
     Raises:
-        GatewayError(INVALID_REQUEST): another name, a non-bool, or ``use_audio_in_video: true``
-            (audio interleaved with video frames is not implemented here; the request must send the
-            audio as its own part), ``param`` ``mm_processor_kwargs.<name>``.
+        GatewayError(INVALID_REQUEST): another name or a non-bool, ``param`` ``mm_processor_kwargs.<name>``.
     """
     check_option_types(hints, OPTION_TYPES, model_type)
-    if hints.option("use_audio_in_video", False):
-        raise option_error("use_audio_in_video",
-                           f"{model_type}: use_audio_in_video=true is not supported by this gateway; send the "
-                           "audio as its own input_audio / audio_url part")
 
 
 class OmniImage(QwenVLImage):
@@ -106,7 +101,7 @@ class OmniImage(QwenVLImage):
 
     def check_hints(self, hints: ItemHints, param: str) -> None:
         """Raises GatewayError(INVALID_REQUEST): ``max_long_side_pixel`` off the resize factor; options
-        other than ``use_audio_in_video: false``."""
+        other than a bool ``use_audio_in_video``."""
         if hints.max_long_side_pixel is not None and hints.max_long_side_pixel % self.params.factor:
             raise GatewayError(ErrorCode.INVALID_REQUEST,
                                f"max_long_side_pixel must be a positive multiple of {self.params.factor}",
@@ -154,7 +149,7 @@ class OmniAudio:
         return f"qwen_omni_audio:{self.model_type}:{self.params!r}"
 
     def check_hints(self, hints: ItemHints, param: str) -> None:
-        """Raises GatewayError(INVALID_REQUEST): options other than ``use_audio_in_video: false``."""
+        """Raises GatewayError(INVALID_REQUEST): options other than a bool ``use_audio_in_video``."""
         check_omni_options(hints, self.model_type)
 
     def plan(self, audio: DecodedAudio, hints: ItemHints) -> ItemPlan:
@@ -246,8 +241,8 @@ class QwenOmniFamily:
         cfg = bundle.preprocessor_config or dict(bundle.processor_config.get("feature_extractor") or {})
         image_id = _check_id(bundle, tokenizer, image_token, "image_token_id", "image_token_index")
         audio_id = _check_id(bundle, tokenizer, audio_token, "audio_token_id", "audio_token_index")
-        _check_id(bundle, tokenizer, audio_start, "audio_start_token_id")
-        _check_id(bundle, tokenizer, audio_end, "audio_end_token_id")
+        start_id = _check_id(bundle, tokenizer, audio_start, "audio_start_token_id")
+        end_id = _check_id(bundle, tokenizer, audio_end, "audio_end_token_id")
         image = OmniImage(model_type, image_params_from_config(cfg), image_id, backend)
         params = WhisperMelParams.from_config(cfg, pad_to_max_length=_PAD_TO_MAX[model_type])
         tokens: Callable[[int], int] = (qwen2_5_omni_audio_tokens if model_type == "qwen2_5_omni"
@@ -256,12 +251,13 @@ class QwenOmniFamily:
         vision = ("<|vision_start|>", "<|vision_end|>") if model_type == "qwen3_omni_moe" else (
             "<|vision_bos|>", "<|vision_eos|>")
         reserved = (image_token, audio_token, audio_start, audio_end, video_token, *vision)
-        video = cls._video(bundle, tokenizer, video_token, vision, video_backend, video_sampling)
+        track = AudioTrack(params.sampling_rate, start_id, audio_id, end_id)
+        video = cls._video(bundle, tokenizer, video_token, vision, video_backend, video_sampling, track)
         return cls(model_type, image, audio, reserved, video)
 
     @staticmethod
     def _video(bundle: ModelBundle, tokenizer: BundleTokenizer, video_token: str, vision: tuple[str, str],
-               backend: ImageBackend | None, sampling: FrameSampling) -> OmniVideo | None:
+               backend: ImageBackend | None, sampling: FrameSampling, track: AudioTrack) -> OmniVideo | None:
         """The clip processor (:mod:`mmgate.models.qwen_omni_video`); None without PyAV."""
         from mmgate.media.video import av_available
         from mmgate.models import geometry
@@ -279,7 +275,7 @@ class QwenOmniFamily:
             return list(tokenizer.tokenizer.encode(text, add_special_tokens=False).ids)
 
         return OmniVideo(bundle.model_type, cfg, ids, encode, backend or geometry.resolve_backend(ImageBackend.AUTO),
-                         sampling, check_omni_options)
+                         sampling, check_omni_options, track)
 
     @property
     def fingerprint(self) -> str:

@@ -16,6 +16,11 @@ clip is sampled from its header (the family's frame sampler), checked against
 the request's decoded-pixel allowance, decoded and preprocessed in the pool,
 one clip per task.  Images and videos become one :class:`EncoderBatch` each,
 in the order their modality first appears in the prompt.
+
+A clip whose processor asked for its audio track (:class:`~mmgate.models.family.AudioTrackVideo`) brings
+an audio item with no anchor (:mod:`mmgate.pipeline.companions`): it joins the audio batch at the clip's
+prompt position, the clip's update carries both runs, and the request's modalities include audio from
+then on (worker selection sees it).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import numpy as np
 
 from mmgate.observe import metrics
 from mmgate.pipeline.cache import PixelCache
+from mmgate.pipeline.companions import add_companions, anchored, companion_ranges, expand_hosts, in_prompt_order
 from mmgate.chat.template import render_chat
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.fetch import MediaFetcher
@@ -324,6 +330,10 @@ class Pipeline:
                 loaded = await _all_or_none(*(SOURCES[m].load(ctx, procs[m], refs, limit)
                                               for m, refs in groups.items()))
                 decoded = dict(zip(groups, loaded))
+                hosts = add_companions(groups, decoded)  # clips' audio tracks join the audio group
+                if hosts is not None:
+                    procs = {m: processor(family, m) for m in groups}
+                    modalities = frozenset(groups)
             with metrics.stage("preprocess", timings, self.runtime.served_name):
                 items = {m: [_at(r, SOURCES[m].plan, procs[m], d, r.hints) for d, r in zip(decoded[m], refs)]
                          for m, refs in groups.items()}
@@ -331,11 +341,13 @@ class Pipeline:
                 hashes = {m: tuple(item_hash(d.content_hash, hinted(fp, r.hints))
                                    for d, fp, r in zip(decoded[m], prints[m], refs)) for m, refs in groups.items()}
                 reps = {m: [procs[m].expand(pl) for pl in items[m]] for m in groups}  # type: ignore[arg-type]
+                if hosts is not None:
+                    expand_hosts(reps, items, procs, hosts)
                 raw = False
                 if choose_worker is not None:
+                    keyed = anchored({m: list(zip(hashes[m], reps[m])) for m in reps}, hosts)
                     raw = choose_worker(modalities, expanded_key(ids, {
-                        procs[m].anchor_token_id: [(h, _run(rep)) for h, rep in zip(hashes[m], reps[m])]
-                        for m in reps}))
+                        procs[m].anchor_token_id: [(h, _run(rep)) for h, rep in pairs] for m, pairs in keyed.items()}))
                     raw = raw and all(procs[m].device_normalizable for m in reps)
                 if limit is not None:
                     _check_payload([(pl, r) for m, refs in groups.items() for pl, r in zip(items[m], refs)],
@@ -346,10 +358,11 @@ class Pipeline:
                                      defer_pixels and m is first)
                     for m in groups))
             with metrics.stage("expand", timings, self.runtime.served_name):
-                ids, ranges = self._expand(ids, reps, procs, segments, add_special_tokens)
+                ids, ranges = self._expand(ids, anchored(reps, hosts), procs, segments, add_special_tokens)
+                if hosts is not None:
+                    companion_ranges(ids, ranges, hosts, procs[Modality.AUDIO].placeholder_token_id)
                 batches = tuple(batch.with_items(tuple(ranges[m]), hashes[m]) for m, batch in zip(groups, made))
-                order = {m: iter(items[m]) for m in groups}
-                plans = tuple(next(order[r.modality]) for r in plan.media)
+                plans = in_prompt_order(plan.media, items, hosts)
             for m, refs in groups.items():
                 metrics.MM_ITEMS.labels(self.runtime.served_name, m.value).inc(len(refs))
         elif choose_worker is not None:

@@ -22,6 +22,7 @@ How to add a modality: docs/architecture.md, "The modality seam".
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -33,8 +34,9 @@ from mmgate.config.settings import AudioSettings, Settings
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.fetch import MediaFetcher
 from mmgate.media.image import decode_image
+from mmgate.media.video import ALLOWED_DEMUXERS as VIDEO_DEMUXERS
 from mmgate.media.video import PixelAllowance, decode_video, planned_clip, upright_turns
-from mmgate.models.family import AudioProcessor, ImageProcessor, MediaProcessor, VideoProcessor
+from mmgate.models.family import AudioProcessor, AudioTrackVideo, ImageProcessor, MediaProcessor, VideoProcessor
 from mmgate.observe import timing_log
 from mmgate.transport.limits import element_bytes, payload_too_large
 from mmgate.types import (
@@ -194,15 +196,18 @@ class VideoSource:
             return sample
 
         def decode(data: bytes, ref: MediaRef) -> DecodedVideo:
-            return decode_video(data, sampler(ref), allowance, vs.decode_timeout_s, stop,
+            clip = decode_video(data, sampler(ref), allowance, vs.decode_timeout_s, stop,
                                 apply_rotation=vs.apply_rotation)
+            return _with_audio_track(clip, data, proc, ref.hints, ctx.settings)
 
         def logged(data: bytes, clip: DecodedVideo, seconds: float) -> None:
             timing_log.video_decoded(len(data), len(clip.frame_indices), clip.height, clip.width, clip.rotation,
                                      seconds)
 
-        return await _load_each(ctx, refs, fs.video_max_bytes, lambda r: (r.url, r.hints.fps), decode, stop.set,
-                                logged)
+        def key(ref: MediaRef) -> Hashable:
+            return ref.url, ref.hints.fps, _track_rate(proc, ref.hints)
+
+        return await _load_each(ctx, refs, fs.video_max_bytes, key, decode, stop.set, logged)
 
     def plan(self, proc: MediaProcessor, item: DecodedVideo, hints: ItemHints) -> ItemPlan[VideoDetail]:
         assert isinstance(proc, VideoProcessor)
@@ -213,6 +218,41 @@ class VideoSource:
         (``--no-video-apply-rotation``)."""
         turned = settings.video.apply_rotation and upright_turns(item.rotation)
         return f"{proc.fingerprint}:upright" if turned else proc.fingerprint
+
+
+def _track_rate(proc: MediaProcessor, hints: ItemHints) -> int | None:
+    """The rate a clip's audio track is wanted at (:class:`~mmgate.models.family.AudioTrackVideo`), else None."""
+    return proc.audio_track_rate(hints) if isinstance(proc, AudioTrackVideo) else None
+
+
+def _with_audio_track(clip: DecodedVideo, data: bytes, proc: MediaProcessor, hints: ItemHints,
+                      settings: Settings) -> DecodedVideo:
+    """``clip`` with its audio track when its processor wants it, decoded as an audio part is
+    (:func:`mmgate.media.audio.decode_audio`: downmix, resampling, the duration cap and the decode timeout of
+    ``--audio-*``), from the clip's own bytes with the video decoder's demuxers; a container without an audio
+    stream gives a clip without one, as the reference skips a silent video's track (transformers 5.24
+    ``OmniModalProcessorMixin._resolve_audio_from_video``).
+
+    Raises:
+        GatewayError: the audio decoder's refusals other than AUDIO_NO_STREAM (e.g. an over-long track).
+    """
+    rate = _track_rate(proc, hints)
+    if rate is None:
+        return clip
+    try:
+        from mmgate.media.audio import decode_audio
+    except ImportError:
+        raise GatewayError(ErrorCode.MULTIMODAL_NOT_SUPPORTED,
+                           "a clip's audio track needs the audio decoder (mmgate.media.audio, PyAV)") from None
+    limits = settings.audio
+    try:
+        audio = decode_audio(data, rate, max_input_bytes=len(data), max_duration_s=limits.max_duration_s,
+                             timeout_s=limits.decode_timeout_s, demuxers=VIDEO_DEMUXERS)
+    except GatewayError as exc:
+        if exc.code is ErrorCode.AUDIO_NO_STREAM:
+            return clip
+        raise
+    return dataclasses.replace(clip, audio=audio)
 
 
 def default_audio_decoder() -> AudioDecoder:

@@ -118,6 +118,15 @@ class AudioInputs:
     mask_kwarg: str = "feature_attention_mask"
     mask_dtype: str = "int32"
     window_multiple: bool = False
+    #: the forward flag set when a clip of the prompt carries its audio track interleaved with its frames
+    #: (``<vision start><audio start>``: the gateway's ``use_audio_in_video``); None: the model has none.
+    #: Qwen2.5-Omni / Qwen3-Omni ``use_audio_in_video``: their ``get_rope_index`` positions the interleaved run
+    #: by time only with it, and no wire carries it (the TokenSpeed and vLLM protos have no such field)
+    in_video_kwarg: str | None = None
+
+
+#: the Omni thinkers' audio inputs
+_OMNI_AUDIO = AudioInputs(in_video_kwarg="use_audio_in_video")
 
 
 class RawLayout(StrEnum):
@@ -324,10 +333,10 @@ ENGINE_FAMILIES: Final[Mapping[str, EngineFamily]] = MappingProxyType({
     # the text-output model TokenSpeed runs for Qwen3-Omni (models/qwen3_omni.py: "thinker only")
     "qwen2_5_omni": EngineFamily("qwen2_5_omni", QWEN2_5_OMNI_SHRINK, None, RawLayout.PATCH_ROWS,
                                  model_class="Qwen2_5OmniThinkerForConditionalGeneration",
-                                 sub_config="thinker_config", audio=AudioInputs()),
+                                 sub_config="thinker_config", audio=_OMNI_AUDIO),
     "qwen3_omni_moe": EngineFamily("qwen3_omni_moe", QWEN3_OMNI_SHRINK, None, RawLayout.PATCH_ROWS,
                                    model_class="Qwen3OmniMoeThinkerForConditionalGeneration",
-                                   sub_config="thinker_config", audio=AudioInputs()),
+                                   sub_config="thinker_config", audio=_OMNI_AUDIO),
     "qwen3_asr": EngineFamily("qwen3_asr", QWEN3_ASR_SHRINK, None, None,
                               model_class="Qwen3ASRForConditionalGeneration",
                               audio=AudioInputs(mask_kwarg="input_features_mask", window_multiple=True)),

@@ -167,7 +167,7 @@ def _prefill(loaded: LoadedModel, inputs: ModelInputs) -> tuple[DynamicCache, to
     """The prompt forward with the media (or their precomputed embeddings): (cache, last logits)."""
     clear_rope_state(loaded.model)
     cache = DynamicCache(config=loaded.model.config)
-    extra: dict[str, object] = {}
+    extra: dict[str, object] = dict(inputs.flags)
     if inputs.encoder_outputs:
         extra["mm_encoder_outputs"] = dict(inputs.encoder_outputs)
     logits = _forward(loaded, cache, input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,

@@ -91,6 +91,8 @@ class ModelInputs:
     dropped_keys: tuple[str, ...]  # received tensors the model's forward does not take
     # modality ("image" | "video") -> the encode leg's output, passed as the forward's ``mm_encoder_outputs``
     encoder_outputs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    # forward flags read from the prompt (:func:`audio_in_video`), passed with the prefill
+    flags: Mapping[str, bool] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def prompt_len(self) -> int:
@@ -314,6 +316,24 @@ def audio_kwargs(batch: MediaBatch, loaded: LoadedModel) -> dict[str, torch.Tens
     return tensors
 
 
+def audio_in_video(ids: Sequence[int], loaded: LoadedModel) -> dict[str, bool]:
+    """``{in_video_kwarg: True}`` when a clip of the prompt carries its audio track interleaved: a vision start
+    token right before an audio start token (the gateway's ``use_audio_in_video`` run, transformers 5.24
+    ``Qwen2_5OmniProcessor.replace_video_with_audio_token`` under the template's vision start); else ``{}``.
+
+    The Omni thinkers' ``get_rope_index`` takes the request's ``use_audio_in_video`` as an argument; the wires
+    carry no such field, and the prompt says it: a clip without its track keeps its plain run."""
+    spec = loaded.family.audio
+    if spec is None or spec.in_video_kwarg is None or spec.in_video_kwarg not in loaded.forward_params:
+        return {}
+    config = loaded.model.config
+    start, audio = getattr(config, "vision_start_token_id", None), getattr(config, "audio_start_token_id", None)
+    if start is None or audio is None:
+        return {}
+    found = any(a == start and b == audio for a, b in zip(ids, ids[1:]))
+    return {spec.in_video_kwarg: True} if found else {}
+
+
 def assemble_inputs(ids: Sequence[int], batches: Sequence[MediaBatch], loaded: LoadedModel,
                     encoder_outputs: Mapping[str, Any] | None = None) -> ModelInputs:
     """The model inputs of a checked prompt and its media batches (every wire ends here).
@@ -359,6 +379,7 @@ def assemble_inputs(ids: Sequence[int], batches: Sequence[MediaBatch], loaded: L
         mm_kwargs=mm_kwargs,
         dropped_keys=dropped,
         encoder_outputs=MappingProxyType(dict(encoder_outputs or {})),
+        flags=MappingProxyType(audio_in_video(ids, loaded)),
     )
 
 

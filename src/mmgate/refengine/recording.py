@@ -42,6 +42,7 @@ class RequestRecorder:
     def record(self, request_id: str, inputs: ModelInputs) -> Path:
         arrays = {"input_ids": _array(inputs.input_ids)}
         arrays.update({name: _array(t) for name, t in inputs.mm_kwargs.items()})
+        arrays.update({name: np.array(flag) for name, flag in inputs.flags.items()})
         final = self.path_for(request_id)
         temporary = final.with_name(f".{final.stem}.{os.getpid()}.tmp.npz")
         np.savez(temporary, **arrays)  # type: ignore[arg-type]
