@@ -63,7 +63,7 @@ FORMATS = {"wav": ("wav", "audio/wav"), "flac": ("flac", "audio/flac"), "mp3": (
 #: image (height, width, format), cycled
 IMAGES = ((61, 97, "PNG"), (224, 224, "JPEG"), (300, 170, "PNG"), (33, 517, "JPEG"), (480, 640, "PNG"),
           (128, 45, "JPEG"), (250, 400, "JPEG"), (90, 130, "PNG"))
-#: the request's video clips, cycled (frames, fps, width, height, codec)
+#: the requests' video clips, cycled (name, frames, fps, width, height; mpeg4 and variable frame durations too)
 VIDEOS = (video_support.ClipSpec("mix_f9_10fps", 9, 10, 64, 48),
           video_support.ClipSpec("mix_f17_25fps_mpeg4", 17, 25, 70, 46, codec="mpeg4"),
           video_support.ClipSpec("mix_f20_vfr", 20, 30, 63, 45, durations_ms=(33, 33, 100, 17, 250, 40, 66, 10)),
@@ -255,7 +255,7 @@ def test_qwen3_omni_shorter_clip_in_a_request_has_the_batched_processor_s_length
     short clip to 17 frames (3 audio tokens), the processor on that clip alone to 16 (2 tokens)."""
     from tests.audio.clips import pcm16_tone, wav16
 
-    model, folder = MODELS[OMNI3], OMNI3
+    model = MODELS[OMNI3]
     short, long_ = wav16(pcm16_tone(16 * 160 + 50, 1, 300.0, 50.0)), wav16(pcm16_tone(16000, 2, 300.0, 50.0))
     png = image_bytes(61, 97, "PNG")
     parts = [{"type": "input_audio", "input_audio": {"data": b64(short), "format": "wav"}},
@@ -269,7 +269,7 @@ def test_qwen3_omni_shorter_clip_in_a_request_has_the_batched_processor_s_length
     prompt = proc.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                       tokenize=False)
     ref = proc(text=[prompt], images=[Image.open(io.BytesIO(png)).convert("RGB")], audio=waves, return_tensors="np")
-    assert folder == OMNI3 and ref["feature_attention_mask"].sum(-1).tolist() == [17, 100]
+    assert ref["feature_attention_mask"].sum(-1).tolist() == [17, 100]
     audio = next(b for b in prepared.batches if b.modality is Modality.AUDIO)
     assert audio.tensors["audio_feature_lengths"].tolist() == [17, 100]
     assert list(prepared.input_ids) == [int(t) for t in ref["input_ids"][0]]
