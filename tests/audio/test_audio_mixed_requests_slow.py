@@ -28,7 +28,7 @@ fps=2``, as tests/video/test_omni_video.py establishes).  Per request:
 Found here, pending (the strict xfail at the end): Qwen3-Omni's *batched* mask gives a shorter clip whose sample
 count is not a hop multiple one frame more than the clip alone (``ceil(n / 160)`` against ``floor(n / 160)``);
 mmgate sends the clip-alone length.  On this corpus it moves no token (``input_ids`` equal the batched call's in
-every request; five requests' m4a/webm clips are one frame apart), but where ``floor(n / 160) % 100`` is a multiple
+every request; the m4a/aac clips of five requests are one frame apart), but where ``floor(n / 160) % 100`` is a multiple
 of 8 it is one audio token less than the processor's whole request.
 """
 
