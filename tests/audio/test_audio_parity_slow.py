@@ -11,6 +11,8 @@ longer than Qwen2.5-Omni's 300 s window.  For each clip:
   in ``input_ids`` equal the processors' of Qwen3-Omni and Qwen3-ASR on every clip, and Qwen2.5-Omni's
   on every second clip and the long one (its processor pads each clip to 300 s, about 0.4 s of CPU a
   call; all of them would take the tier past its 60 s budget on 2 cores).
+
+The same clips in whole requests with images and a video, through the pipeline: test_audio_mixed_requests_slow.py.
 """
 
 from __future__ import annotations
