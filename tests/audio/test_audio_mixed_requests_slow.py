@@ -19,17 +19,10 @@ fps=2``, as tests/video/test_omni_video.py establishes).  Per request:
 * ``input_ids`` identical (every placeholder run included);
 * ``pixel_values`` / ``image_grid_thw`` and ``pixel_values_videos`` / ``video_grid_thw`` /
   ``video_second_per_grid`` identical;
-* per clip, the valid ``input_features`` frames and the mask's sum identical: Qwen2.5-Omni's batch pads every
-  clip to 300 s alone or batched, so its batch (features, mask, lengths) is compared; Qwen3-Omni's batch pads
-  shorter clips to the longest (docs/parity.md "Audio", "Several clips in one request"), so each clip's frames
-  and mask sum are compared with the processor on that clip alone;
+* the audio batch: each clip's valid ``input_features`` frames, the mask and the lengths identical to the
+  processor's one call on the request's clips (Qwen2.5-Omni pads every clip to 300 s; Qwen3-Omni pads the shorter
+  clips to the longest, docs/parity.md "Audio", "Several clips in one request");
 * each item's placeholder range is its pad run, in prompt order.
-
-Found here, pending (the strict xfail at the end): Qwen3-Omni's *batched* mask gives a shorter clip whose sample
-count is not a hop multiple one frame more than the clip alone (``ceil(n / 160)`` against ``floor(n / 160)``);
-mmgate sends the clip-alone length.  On this corpus it moves no token (``input_ids`` equal the batched call's in
-every request; the m4a/aac clips of five requests are one frame apart), but where ``floor(n / 160) % 100`` is a multiple
-of 8 it is one audio token less than the processor's whole request.
 """
 
 from __future__ import annotations
@@ -197,20 +190,12 @@ def check(folder: str, req: Request, clip_bytes: dict[ClipSpec, bytes], video_pa
     lengths = audio.tensors["audio_feature_lengths"]
     assert feats.shape == (len(waves), 128, int(lengths.max())), where
     assert mask.tolist() == [[1] * int(n) + [0] * (mask.shape[1] - int(n)) for n in lengths], where
-    if folder == OMNI25:  # every clip padded to 300 s, alone or batched: the batch is each clip's own
-        ref_mask = ref["feature_attention_mask"]
-        assert lengths.tolist() == ref_mask.sum(-1).tolist(), f"{where}: lengths {lengths.tolist()}"
-        assert np.array_equal(mask, ref_mask[:, :mask.shape[1]]) and not ref_mask[:, mask.shape[1]:].any(), where
-    for k, wave in enumerate(waves):
+    ref_mask = ref["feature_attention_mask"]
+    assert lengths.tolist() == ref_mask.sum(-1).tolist(), f"{where}: lengths {lengths.tolist()}"
+    assert np.array_equal(mask, ref_mask[:, :mask.shape[1]]) and not ref_mask[:, mask.shape[1]:].any(), where
+    for k in range(len(waves)):
         valid = int(lengths[k])
-        if folder == OMNI25:
-            expected = ref["input_features"][k]
-        else:  # the batch pads shorter clips to the longest: each clip against the processor on it alone
-            alone = proc(text=proc.audio_bos_token + proc.audio_token + proc.audio_eos_token, audio=[wave],
-                         return_tensors="np")
-            assert int(alone["feature_attention_mask"][0].sum()) == valid, (where, audio_order[k].id)
-            expected = alone["input_features"][0]
-        assert np.array_equal(feats[k, :, :valid], expected[:, :valid]), (where, audio_order[k].id)
+        assert np.array_equal(feats[k, :, :valid], ref["input_features"][k][:, :valid]), (where, audio_order[k].id)
         assert not feats[k, :, valid:].any(), (where, k)
     assert [(p.offset, p.length) for p in audio.placeholders] == runs(ids, proc.audio_token_id), where
     assert audio.placeholder_token_id == proc.audio_token_id
@@ -242,34 +227,3 @@ def test_mixed_requests_equal_the_processor(folder: str, tmp_path: Path) -> None
     video_paths = {v.name: video_support.make_clip(v, tmp_path) for v in VIDEOS}
     for req in reqs:
         check(folder, req, clip_bytes, video_paths)
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "pending (issue 23, reported): with several clips, Qwen3OmniMoeProcessor zero-pads the shorter clips to the "
-    "longest and its feature_attention_mask gives such a clip ceil(n / hop) frames (WhisperFeatureExtractor trims "
-    "the rescaled mask by one only where the padded length is not a hop multiple); mmgate computes each clip alone, "
-    "floor(n / hop) frames, what the processor gives for the clip alone; one frame less is one audio token less "
-    "wherever floor(n / hop) % 100 is a multiple of 8 (the token formula's steps)"))
-def test_qwen3_omni_shorter_clip_in_a_request_has_the_batched_processor_s_length() -> None:
-    """A 16 kHz clip of 16 hops + 50 samples before a 1 s clip, and an image: the processor's batch masks the
-    short clip to 17 frames (3 audio tokens), the processor on that clip alone to 16 (2 tokens)."""
-    from tests.audio.clips import pcm16_tone, wav16
-
-    model = MODELS[OMNI3]
-    short, long_ = wav16(pcm16_tone(16 * 160 + 50, 1, 300.0, 50.0)), wav16(pcm16_tone(16000, 2, 300.0, 50.0))
-    png = image_bytes(61, 97, "PNG")
-    parts = [{"type": "input_audio", "input_audio": {"data": b64(short), "format": "wav"}},
-             {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(png)}},
-             {"type": "input_audio", "input_audio": {"data": b64(long_), "format": "wav"}}]
-    prepared = prepare(model, parts, text="Hi")
-    proc = processor(model)
-    waves = [decode_audio(x, 16000, max_input_bytes=1 << 20, max_duration_s=60.0, timeout_s=60.0).samples
-             for x in (short, long_)]
-    content = [{"type": "audio"}, {"type": "image"}, {"type": "audio"}, {"type": "text", "text": "Hi"}]
-    prompt = proc.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                      tokenize=False)
-    ref = proc(text=[prompt], images=[Image.open(io.BytesIO(png)).convert("RGB")], audio=waves, return_tensors="np")
-    assert ref["feature_attention_mask"].sum(-1).tolist() == [17, 100]
-    audio = next(b for b in prepared.batches if b.modality is Modality.AUDIO)
-    assert audio.tensors["audio_feature_lengths"].tolist() == [17, 100]
-    assert list(prepared.input_ids) == [int(t) for t in ref["input_ids"][0]]

@@ -42,9 +42,10 @@ from mmgate.cli.launch import free_port
 from mmgate.media.fetch import MediaFetcher
 from mmgate.models.bundle import load_bundle
 from mmgate.models.registry import load_family
+from mmgate.pipeline.cache import PixelCache
 from mmgate.pipeline.prepare import Pipeline
 from mmgate.pipeline.runtime import ModelRuntime
-from mmgate.config.settings import FetchSettings, Settings, VideoSettings
+from mmgate.config.settings import AudioSettings, FetchSettings, Settings, VideoSettings
 from mmgate.models.backend import FrameSampling, ImageBackend
 from mmgate.types import PreparedRequest
 from tests.conftest import bundle_dir
@@ -202,24 +203,33 @@ def assert_same(prepared: PreparedRequest, ref: Reference) -> None:
 
 
 @cache
-def pipeline(model: str, sampling: FrameSampling = FrameSampling.VLLM) -> Pipeline:
+def pipeline(model: str, sampling: FrameSampling = FrameSampling.VLLM, audio: AudioSettings | None = None,
+             pixel_cache: PixelCache | None = None) -> Pipeline:
+    """``model``'s pipeline as the parity tests run it (``audio``: the audio settings, default ones if None)."""
     bundle = load_bundle(bundle_dir(model), name=model)
     tokenizer = load_tokenizer(bundle)
     family = load_family(bundle, tokenizer, ImageBackend.TORCHVISION, video_sampling=sampling)
     runtime = ModelRuntime(bundle=bundle, tokenizer=tokenizer, family=family, served_name=model)
     # The parity tests compare with the reference's pyav loader, which keeps the stored orientation.
-    settings = Settings(model=model, video=VideoSettings(apply_rotation=False, frame_sampling=sampling))
-    return Pipeline(runtime, settings, MediaFetcher(settings.fetch), ThreadPoolExecutor(2))
+    settings = Settings(model=model, video=VideoSettings(apply_rotation=False, frame_sampling=sampling),
+                        audio=audio or AudioSettings())
+    return Pipeline(runtime, settings, MediaFetcher(settings.fetch), ThreadPoolExecutor(2), cache=pixel_cache)
 
 
-def prepare(model: str, parts: list[dict], text: str = "What happens?",
-            sampling: FrameSampling = FrameSampling.VLLM, kwargs: dict | None = None) -> PreparedRequest:
-    """mmgate's pipeline on one user message: ``parts`` then the text (``kwargs``: ``mm_processor_kwargs``)."""
+def chat_body(model: str, parts: list[dict], text: str = "What happens?", kwargs: dict | None = None) -> Any:
+    """The parsed chat request of one user message: ``parts`` then the text (``kwargs``: ``mm_processor_kwargs``)."""
     body: dict[str, Any] = {"model": model,
                             "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]}
     if kwargs:
         body["mm_processor_kwargs"] = kwargs
-    return asyncio.run(pipeline(model, sampling).prepare(parse_chat_request(json.dumps(body).encode())))
+    return parse_chat_request(json.dumps(body).encode())
+
+
+def prepare(model: str, parts: list[dict], text: str = "What happens?",
+            sampling: FrameSampling = FrameSampling.VLLM, kwargs: dict | None = None,
+            audio: AudioSettings | None = None) -> PreparedRequest:
+    """mmgate's pipeline on one user message: ``parts`` then the text (``kwargs``: ``mm_processor_kwargs``)."""
+    return asyncio.run(pipeline(model, sampling, audio).prepare(chat_body(model, parts, text, kwargs)))
 
 
 def video_part(path: Path, **hints: Any) -> dict:

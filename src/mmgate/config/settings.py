@@ -94,6 +94,9 @@ class AudioSettings:
 
     max_duration_s: float = DEFAULT_AUDIO_MAX_DURATION_S  # per clip: longer is refused (413 ``audio_too_long``)
     decode_timeout_s: float = DEFAULT_AUDIO_DECODE_TIMEOUT_S  # per clip, wall clock (413 ``audio_decode_timeout``)
+    #: a request's clips padded to the longest as the reference processor's one extractor call does (Qwen3-Omni:
+    #: :class:`~mmgate.models.family.BatchPlanner`); False: each clip's features as alone
+    batch_padding: bool = True
 
 
 GROUP_MEDIA = "media intake"
@@ -218,6 +221,10 @@ def add_audio_options(parser: argparse.ArgumentParser) -> None:
                help="longest audio clip in seconds (from the header where it says, else from the decoded samples)")
     add_option(g, "--audio-decode-timeout", type=float, default=DEFAULT_AUDIO_DECODE_TIMEOUT_S,
                help="wall-clock limit of decoding (and resampling) one audio clip, seconds")
+    add_option(g, "--audio-batch-padding", action=argparse.BooleanOptionalAction, default=True,
+               help="a request's clips padded to its longest, as the reference processor's one feature-extractor "
+                    "call (Qwen3-Omni: shorter clips get ceil(n/hop) frames, zeros after their end); "
+                    "--no-audio-batch-padding: each clip as alone, floor(n/hop) frames (docs/parity.md, Audio)")
 
 
 def audio_settings(ns: argparse.Namespace) -> AudioSettings:
@@ -230,7 +237,8 @@ def audio_settings(ns: argparse.Namespace) -> AudioSettings:
         raise SystemExit("--audio-max-duration must be positive")
     if ns.audio_decode_timeout <= 0:
         raise SystemExit("--audio-decode-timeout must be positive")
-    return AudioSettings(max_duration_s=ns.audio_max_duration, decode_timeout_s=ns.audio_decode_timeout)
+    return AudioSettings(max_duration_s=ns.audio_max_duration, decode_timeout_s=ns.audio_decode_timeout,
+                         batch_padding=bool(ns.audio_batch_padding))
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,9 +17,13 @@ Reference (transformers 5.24):
   the clip is zero-padded to ``n_samples`` (300 s in the bundle), so the end frames see
   zeros; ``Qwen3OmniMoeProcessor.audio_kwargs`` and ``Qwen3ASRProcessor.audio_kwargs`` ask
   ``padding=True`` (longest), ``truncation=False``: a clip processed alone is not padded,
-  so ``torch.stft(center=True)`` reflects its own last samples.  (In a batch of several
-  clips the shorter ones are zero-padded to the longest; mmgate processes each clip alone,
-  as a content-hash cache must -- docs/parity.md "Audio".)
+  so ``torch.stft(center=True)`` reflects its own last samples.  In a batch of several clips
+  (Qwen3-Omni's one processor call takes every audio item of a request; Qwen3-ASR's takes one clip
+  per text) the shorter ones are zero-padded to
+  the longest, so their end frames see zeros and the mask gives them ``ceil(n / hop)`` frames,
+  one more than alone where ``n`` is not a hop multiple: the ``batch_longest`` argument below,
+  planned by :func:`longest_in_batch` (switchable per clip: ``--no-audio-batch-padding``,
+  docs/parity.md "Audio").
 
 The reference computes all ``padded_length // hop_length`` frames and the mask marks the
 valid ones.  Here only the frames that can differ from silence are computed: the buffer is
@@ -42,7 +46,7 @@ Two backends:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal
@@ -88,10 +92,34 @@ class WhisperMelParams:
                    n_samples=n_samples, min_length=int(cfg.get("min_length", 0)),
                    pad_to_max_length=pad_to_max_length, contiguous_magnitudes=contiguous_magnitudes)
 
-    def padded_length(self, num_samples: int) -> int:
-        """Samples the reference's buffer holds for a clip of ``num_samples`` processed alone."""
-        n = max(num_samples, self.min_length)
+    def padded_length(self, num_samples: int, batch_longest: int = 0) -> int:
+        """Samples the reference's buffer holds for a clip of ``num_samples``: processed alone
+        (``batch_longest`` 0), or in a batch whose longest clip is ``batch_longest`` samples (after
+        the ``min_length`` pre-pad: :func:`longest_in_batch`), which ``padding=True`` pads every clip to."""
+        n = max(num_samples, self.min_length, batch_longest)
         return self.n_samples if self.pad_to_max_length else n
+
+    def buffer_length(self, num_samples: int, batch_longest: int = 0) -> int:
+        """Samples of the buffer :func:`log_mel_features` frames: the reference's padded buffer, cut ``n_fft
+        + hop`` zeros past the clip, at least ``_MIN_FRAMES`` frames (module docstring).  A clip's
+        features are a function of its samples and this length alone."""
+        length = self.padded_length(num_samples, batch_longest)
+        m = min(max(num_samples, self.min_length), length)
+        return min(length, max(m + self.n_fft + self.hop_length, _MIN_FRAMES * self.hop_length))
+
+    def batch_key(self, num_samples: int, batch_longest: int) -> int:
+        """What the batch changes in a clip's features and frames: 0 when nothing (the clip is the batch's
+        longest, or the extractor pads every clip to ``n_samples``), else :meth:`buffer_length` (a cache key
+        part: every batch whose longest clip is at least ``n_fft + hop`` samples longer gives the same)."""
+        if self.padded_length(num_samples, batch_longest) == self.padded_length(num_samples):
+            return 0
+        return self.buffer_length(num_samples, batch_longest)
+
+    def too_short(self, num_samples: int, batch_longest: int = 0) -> bool:
+        """Whether the reference cannot frame the clip: ``torch.stft(center=True)``'s reflect pad needs a
+        padded buffer of more than ``n_fft // 2`` samples (a clip alone below :attr:`min_samples`; in a batch
+        the longest clip pads the others)."""
+        return self.padded_length(num_samples, batch_longest) <= self.n_fft // 2
 
     @property
     def min_samples(self) -> int:
@@ -100,11 +128,11 @@ class WhisperMelParams:
         padded_min = self.n_samples if self.pad_to_max_length else self.min_length
         return 1 if padded_min > self.n_fft // 2 else self.n_fft // 2 + 1
 
-    def valid_frames(self, num_samples: int) -> int:
+    def valid_frames(self, num_samples: int, batch_longest: int = 0) -> int:
         """Frames the reference's mask marks valid (``attention_mask[:, ::hop]``, the last dropped
         when the padded length is not a multiple of ``hop``): ``min(ceil(m / hop), L // hop)``
-        with ``m`` the (pre-padded, truncated) clip and ``L`` the padded length."""
-        length = self.padded_length(num_samples)
+        with ``m`` the (pre-padded, truncated) clip and ``L`` the padded length (:meth:`padded_length`)."""
+        length = self.padded_length(num_samples, batch_longest)
         m = min(max(num_samples, self.min_length), length)
         return min(-(-m // self.hop_length), length // self.hop_length)
 
@@ -173,13 +201,18 @@ def torch_available() -> bool:
     return True
 
 
-def _buffer(samples: npt.NDArray[np.float32], params: WhisperMelParams) -> npt.NDArray[np.float32]:
+def longest_in_batch(params: WhisperMelParams, num_samples: Sequence[int]) -> int:
+    """The length (samples) ``padding=True`` pads a batch of clips of ``num_samples`` to: the longest after
+    the ``min_length`` pre-pad (transformers 5.24 ``SequenceFeatureExtractor.pad`` with
+    ``PaddingStrategy.LONGEST``, after ``Qwen3ASRFeatureExtractor.__call__``'s pre-pad); 0 for no clips."""
+    return max((max(n, params.min_length) for n in num_samples), default=0)
+
+
+def _buffer(samples: npt.NDArray[np.float32], params: WhisperMelParams,
+            batch_longest: int = 0) -> npt.NDArray[np.float32]:
     """The reference's padded buffer, cut ``n_fft + hop`` zeros past the clip (module docstring)."""
-    length = params.padded_length(len(samples))
-    m = min(len(samples), length)
-    short = min(length, max(max(m, params.min_length) + params.n_fft + params.hop_length,
-                            _MIN_FRAMES * params.hop_length))
-    buf = np.zeros(short, dtype=np.float32)
+    m = min(len(samples), params.padded_length(len(samples), batch_longest))
+    buf = np.zeros(params.buffer_length(len(samples), batch_longest), dtype=np.float32)
     buf[:m] = samples[:m]
     return buf
 
@@ -230,7 +263,7 @@ def _log_mel_numpy(buf: npt.NDArray[np.float32], params: WhisperMelParams) -> np
 
 
 def log_mel_features(samples: npt.NDArray[np.float32], params: WhisperMelParams,
-                     backend: Backend = "auto") -> AudioFeatures:
+                     backend: Backend = "auto", batch_longest: int = 0) -> AudioFeatures:
     """The clip's log-mel features, valid frames only (module docstring).
 
     Args:
@@ -238,24 +271,27 @@ def log_mel_features(samples: npt.NDArray[np.float32], params: WhisperMelParams,
         params: the extractor's settings and the processor's padding.
         backend: ``"torch"`` (the reference, bit-exact), ``"numpy"`` (torch-free, not bit-exact),
             ``"auto"``: torch when it imports.
+        batch_longest: the clip's features in a processor call with other clips, the longest of them
+            this many samples (:func:`longest_in_batch`); 0: the clip alone.
 
     Returns:
         ``input_features`` float32 ``[feature_size, valid_frames]``; ``valid_frames`` = the mask's sum.
 
     Raises:
-        GatewayError(AUDIO_TOO_SHORT): fewer than ``params.min_samples`` samples (the reference fails there).
+        GatewayError(AUDIO_TOO_SHORT): a clip the reference cannot frame (``params.too_short``: alone, fewer
+            than ``params.min_samples`` samples).
     """
     if samples.ndim != 1:
         raise ValueError("samples must be a 1-D array")
-    if len(samples) < params.min_samples:
+    if params.too_short(len(samples), batch_longest):
         raise GatewayError(ErrorCode.AUDIO_TOO_SHORT,
                            f"audio is too short: {len(samples)} samples at {params.sampling_rate} Hz, the model "
                            f"needs at least {params.min_samples}")
     samples = np.ascontiguousarray(samples, dtype=np.float32)
-    buf = _buffer(samples, params)
+    buf = _buffer(samples, params, batch_longest)
     use_torch = backend == "torch" or (backend == "auto" and torch_available())
     log_spec = _log_mel_torch(buf, params) if use_torch else _log_mel_numpy(buf, params)
-    valid = params.valid_frames(len(samples))
+    valid = params.valid_frames(len(samples), batch_longest)
     return AudioFeatures(input_features=np.ascontiguousarray(log_spec[:, :valid]), valid_frames=valid)
 
 

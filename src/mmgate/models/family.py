@@ -56,8 +56,8 @@ from mmgate.types import (
     VideoMeta,
 )
 
-__all__ = ["AudioProcessor", "AudioTrackVideo", "Family", "FamilyClass", "ImageOnlyFamily", "ImageProcessor",
-           "ImageVideoFamily",
+__all__ = ["AudioProcessor", "AudioTrackVideo", "BatchPlanner", "Family", "FamilyClass", "ImageOnlyFamily",
+           "ImageProcessor", "ImageVideoFamily",
            "MediaProcessor", "RowSink", "RowWriter", "Transcriber", "TranscriptStream", "VideoProcessor",
            "VideoRowWriter", "assemble", "combine", "deferrable", "primary_spec", "processor", "processor_map"]
 
@@ -198,6 +198,34 @@ class AudioTrackVideo(Protocol):
 
     def expand_with_audio(self, plan: ItemPlan[VideoDetail], audio: ItemPlan) -> Replacement:
         """The prompt update of a clip whose audio track is planned as ``audio`` (the family's audio plan)."""
+        ...
+
+
+@runtime_checkable
+class BatchPlanner(Protocol):
+    """Optional for a processor whose reference processes all of a request's items of its modality in one call,
+    so that an item's share depends on the others: Qwen3-Omni audio, whose extractor zero-pads the
+    shorter clips to the longest (``padding=True``), which gives them zeros instead of a reflection at their end and
+    ``ceil(n / hop)`` feature frames instead of ``floor(n / hop)``.
+
+    The modality's source asks for the batch (:meth:`mmgate.pipeline.sources.MediaSource.batch_context`, where a
+    setting can turn it off: ``--no-audio-batch-padding``); the pipeline then plans each item with
+    :meth:`plan_in_batch` and appends :meth:`batch_fingerprint` to its fingerprint, so the content-hash cache and
+    the item hash (``mm_hashes``) tell the item's batched share from its share alone."""
+
+    def batch_context(self, items: Sequence[DecodedAudio]) -> int:
+        """What the request's decoded items of this modality (prompt order, companions included) pass to each
+        item's plan (Qwen3-Omni: the length, in samples, the batch is padded to)."""
+        ...
+
+    def plan_in_batch(self, item: DecodedAudio, hints: ItemHints, context: int) -> ItemPlan:
+        """:meth:`AudioProcessor.plan` of ``item`` in the batch ``context`` describes (the plan's ``detail`` holds
+        what ``preprocess`` needs of it)."""
+        ...
+
+    def batch_fingerprint(self, plan: ItemPlan) -> str:
+        """What the item's share owes to its batch, as a fingerprint suffix; ``""`` when nothing (the share equals
+        the item's share alone, and so does its cache key)."""
         ...
 
 

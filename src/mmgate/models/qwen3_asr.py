@@ -18,7 +18,9 @@ Reference (transformers 5.24):
   (:func:`mmgate.models.audio_features.log_mel_features` with ``min_length`` and
   ``contiguous_magnitudes=False``): the mel-axis padding is zeros under a zero mask, which the engine
   re-creates (TokenSpeed's ``qwen3_audio.py`` trims to ``audio_feature_lengths``; the reference engine pads
-  to a multiple of 100 again, ``mmgate.refengine.mm_inputs``).
+  to a multiple of 100 again, ``mmgate.refengine.mm_inputs``).  Each clip alone: ``Qwen3ASRProcessor``
+  takes one clip per text (``validate_inputs``: "they must match 1:1"), so a request's clips are never one
+  extractor batch, unlike Qwen3-Omni's (:class:`~mmgate.models.family.BatchPlanner`).
 * ``models/qwen3_asr/processing_qwen3_asr.py`` ``Qwen3ASRProcessor``: ``audio_kwargs`` ``padding=True``,
   ``truncation=False``, ``n_window=50`` (the processor's, passed over the extractor's own);
   ``_get_audio_token_length(mask.sum(-1), n_window)`` tokens (13 per 100 frames plus three stride-2 steps

@@ -34,10 +34,11 @@ frames, 0 on the padding: transformers' batch mask) and ``audio_feature_lengths`
 batched, int64 side tensors -- so an item's TokenSpeed share (``tensor[i:i+1]``) is smg's
 ``[1, mel, max_frames]`` + mask ``[1, max_frames]`` + lengths ``[1]`` (smg ``registry/qwen3_omni.rs``
 ``encoder_field_layouts_for(Audio)``: all three ``FieldLayout::Batched``), which TokenSpeed's
-``qwen3_audio.pack_qwen3_audio_features`` trims to the lengths.  Each clip's features are computed
-alone (:func:`~mmgate.models.audio_features.log_mel_features`): the reference in a batch of
-clips of different lengths (Qwen3-Omni ``padding=True``) zero-pads the shorter ones to the
-longest, which changes their last frames; vLLM does the same per clip (docs/parity.md "Audio").
+``qwen3_audio.pack_qwen3_audio_features`` trims to the lengths.  A clip's features are the reference's
+for the request's whole audio batch (:class:`~mmgate.models.family.BatchPlanner`): Qwen3-Omni's
+``padding=True`` zero-pads the shorter clips to the longest, which changes their last frames and gives
+them ``ceil(n / hop)`` valid frames (:func:`~mmgate.models.audio_features.log_mel_features` with
+``batch_longest``); ``--no-audio-batch-padding`` computes each clip alone instead (docs/parity.md "Audio").
 
 Video: :mod:`mmgate.models.qwen_omni_video`.  ``mm_processor_kwargs`` ``use_audio_in_video`` (a bool;
 ``false``, the reference's default and what smg sends): with ``true`` each clip's audio track becomes an
@@ -51,7 +52,7 @@ has no Qwen2.5-Omni spec, the same numbers are used for it).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -61,6 +62,7 @@ from mmgate.errors import ErrorCode, GatewayError
 from mmgate.models.audio_features import (
     WhisperMelParams,
     log_mel_features,
+    longest_in_batch,
     qwen2_5_omni_audio_tokens,
     qwen3_omni_audio_tokens,
 )
@@ -120,8 +122,10 @@ AUDIO_SPECS = (
 class OmniAudio:
     """Whisper log-mel features of one clip, and its pad run (module docstring).
 
-    Implements :class:`~mmgate.models.family.AudioProcessor`.  ``detail`` of a plan:
-    ``(valid_frames, num_samples)``.
+    Implements :class:`~mmgate.models.family.AudioProcessor` and
+    :class:`~mmgate.models.family.BatchPlanner` (the length a request's clips are padded to; it changes nothing
+    for Qwen2.5-Omni, whose extractor pads every clip to ``n_samples``).  ``detail`` of a plan:
+    ``(valid_frames, num_samples, batch_longest)``, the last 0 for a clip planned alone.
     """
 
     modality = Modality.AUDIO
@@ -153,17 +157,30 @@ class OmniAudio:
         check_omni_options(hints, self.model_type)
 
     def plan(self, audio: DecodedAudio, hints: ItemHints) -> ItemPlan:
-        """Valid frames (the reference mask's sum) and the token count of one clip.
+        """Valid frames (the reference mask's sum) and the token count of one clip, processed alone.
 
         Raises:
             GatewayError(AUDIO_TOO_SHORT): fewer samples than the reference can frame.
         """
+        return self.plan_in_batch(audio, hints, 0)
+
+    def batch_context(self, items: Sequence[DecodedAudio]) -> int:
+        """The length the reference's one extractor call pads the request's clips to
+        (:func:`~mmgate.models.audio_features.longest_in_batch`)."""
+        return longest_in_batch(self.params, [a.num_samples for a in items])
+
+    def plan_in_batch(self, audio: DecodedAudio, hints: ItemHints, context: int) -> ItemPlan:
+        """:meth:`plan` of a clip in a batch padded to ``context`` samples (0: alone).
+
+        Raises:
+            GatewayError(AUDIO_TOO_SHORT): a clip the reference cannot frame, or one that gives no audio token.
+        """
         n = audio.num_samples
-        if n < self.params.min_samples:
+        if self.params.too_short(n, context):
             raise GatewayError(ErrorCode.AUDIO_TOO_SHORT,
                                f"audio is too short: {n} samples at {self.params.sampling_rate} Hz, the model needs "
                                f"at least {self.params.min_samples}")
-        frames = self.params.valid_frames(n)
+        frames = self.params.valid_frames(n, context)
         tokens = self._num_tokens(frames)
         if tokens < 1:
             raise GatewayError(ErrorCode.AUDIO_TOO_SHORT, "audio is too short to give one audio token")
@@ -171,7 +188,13 @@ class OmniAudio:
         return ItemPlan(modality=Modality.AUDIO, original_hw=(0, 0), resized_hw=(0, 0), num_tokens=tokens,
                         shapes=(("input_features", (mel, frames)), ("feature_attention_mask", (frames,)),
                                 ("audio_feature_lengths", ())),
-                        detail=(frames, n))
+                        detail=(frames, n, context))
+
+    def batch_fingerprint(self, plan: ItemPlan) -> str:
+        """``""`` for a clip whose features the batch leaves as alone, else the buffer it is framed in
+        (:meth:`~mmgate.models.audio_features.WhisperMelParams.batch_key`)."""
+        key = self.params.batch_key(plan.detail[1], plan.detail[2])
+        return f"batch={key}" if key else ""
 
     def plan_tensors(self, plan: ItemPlan) -> dict[str, np.ndarray]:
         """``feature_attention_mask`` (ones over the valid frames) and ``audio_feature_lengths``, int64."""
@@ -181,7 +204,7 @@ class OmniAudio:
 
     def preprocess(self, audio: DecodedAudio, plan: ItemPlan, raw: bool = False) -> np.ndarray:
         """``input_features`` of the clip's valid frames, float32 ``[mel, valid_frames]``."""
-        return log_mel_features(audio.samples, self.params).input_features
+        return log_mel_features(audio.samples, self.params, batch_longest=plan.detail[2]).input_features
 
     def expand(self, plan: ItemPlan) -> Replacement:
         """The pad run replacing the template's one audio token."""

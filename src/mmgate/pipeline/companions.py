@@ -61,9 +61,10 @@ def add_companions(groups: MutableMapping[Modality, list[MediaRef]], decoded: Mu
     return [item[4] for item in items]
 
 
-def expand_hosts(reps: MutableMapping[Modality, list[Replacement]], native: Mapping[Modality, Sequence[Any]],
+def expand_hosts(reps: MutableMapping[Modality, list[Replacement]], plans: Mapping[Modality, Sequence[Any]],
                  procs: Mapping[Modality, MediaProcessor], hosts: Hosts) -> None:
-    """Each host clip's prompt update replaced by its interleaved one (mutates ``reps``).
+    """Each host clip's prompt update replaced by its interleaved one, from the clip's and its track's plans
+    (``plans``: per modality, in the groups' order; mutates ``reps``).
 
     Raises:
         GatewayError(INTERNAL_ERROR): a clip has a track but its processor cannot interleave it.
@@ -73,8 +74,8 @@ def expand_hosts(reps: MutableMapping[Modality, list[Replacement]], native: Mapp
         raise GatewayError(ErrorCode.INTERNAL_ERROR, "a clip brought an audio track its processor cannot expand")
     for k, host in enumerate(hosts):
         if host is not None:
-            reps[Modality.VIDEO][host] = video.expand_with_audio(native[Modality.VIDEO][host],
-                                                                 native[Modality.AUDIO][k])
+            reps[Modality.VIDEO][host] = video.expand_with_audio(plans[Modality.VIDEO][host],
+                                                                 plans[Modality.AUDIO][k])
 
 
 def anchored(per_item: Mapping[Modality, list[T]], hosts: Hosts | None) -> dict[Modality, list[T]]:

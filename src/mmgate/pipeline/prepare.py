@@ -43,6 +43,7 @@ from mmgate.media.fetch import MediaFetcher
 from mmgate.media.hashing import item_hash
 from mmgate.models.bundle import ModelBundle
 from mmgate.models.family import (
+    BatchPlanner,
     MediaProcessor,
     RowWriter,
     VideoProcessor,
@@ -335,9 +336,11 @@ class Pipeline:
                     procs = {m: processor(family, m) for m in groups}
                     modalities = frozenset(groups)
             with metrics.stage("preprocess", timings, self.runtime.served_name):
-                items = {m: [_at(r, SOURCES[m].plan, procs[m], d, r.hints) for d, r in zip(decoded[m], refs)]
+                batch = {m: SOURCES[m].batch_context(procs[m], decoded[m], self.settings) for m in groups}
+                items = {m: [_at(r, SOURCES[m].plan, procs[m], d, r.hints, batch[m]) for d, r in zip(decoded[m], refs)]
                          for m, refs in groups.items()}
-                prints = {m: [SOURCES[m].fingerprint(procs[m], d, self.settings) for d in decoded[m]] for m in groups}
+                prints = {m: [SOURCES[m].fingerprint(procs[m], d, self.settings) + _batch_print(procs[m], pl)
+                              for d, pl in zip(decoded[m], items[m])] for m in groups}
                 hashes = {m: tuple(item_hash(d.content_hash, hinted(fp, r.hints))
                                    for d, fp, r in zip(decoded[m], prints[m], refs)) for m, refs in groups.items()}
                 reps = {m: [procs[m].expand(pl) for pl in items[m]] for m in groups}  # type: ignore[arg-type]
@@ -566,6 +569,13 @@ def _check_payload(items: Sequence[tuple[ItemPlan[Hashable], MediaRef]], itemsiz
     sizes = [pl.primary_values * itemsize for pl, _ in items]
     if sizes and sum(sizes) > limit:
         raise payload_too_large(sum(sizes), limit, items[sizes.index(max(sizes))][1].param)
+
+
+def _batch_print(proc: MediaProcessor, plan: ItemPlan[Hashable]) -> str:
+    """What a batch-planned item's share owes to its batch (:class:`~mmgate.models.family.BatchPlanner`), a
+    fingerprint suffix: ``""`` for an item whose share equals its share alone."""
+    suffix = proc.batch_fingerprint(plan) if isinstance(proc, BatchPlanner) else ""  # type: ignore[arg-type]
+    return f":{suffix}" if suffix else ""
 
 
 def _run(rep: Replacement) -> tuple[int, ...] | int:

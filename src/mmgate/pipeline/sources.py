@@ -11,7 +11,8 @@ A source is the only modality-specific piece of the pipeline's loop (:mod:`mmgat
   modality's decoder (:mod:`mmgate.media.image`, :mod:`mmgate.media.video`, ``mmgate.media.audio``);
 * :meth:`MediaSource.plan` calls the processor's ``plan`` with what it takes (an image's size, a clip, a
   waveform): an :class:`~mmgate.types.ItemPlan`, the one plan type of every modality (its ``detail`` is
-  the processor's own and no generic code reads it);
+  the processor's own and no generic code reads it); :meth:`MediaSource.batch_context` first, where the
+  reference processes a request's items of the modality as one batch (audio padded to the longest clip);
 * :meth:`MediaSource.fingerprint` is the processor's fingerprint as it applies to one decoded item (a
   clip turned upright hashes apart from the same clip as stored).
 
@@ -36,7 +37,14 @@ from mmgate.media.fetch import MediaFetcher
 from mmgate.media.image import decode_image
 from mmgate.media.video import ALLOWED_DEMUXERS as VIDEO_DEMUXERS
 from mmgate.media.video import PixelAllowance, decode_video, planned_clip, upright_turns
-from mmgate.models.family import AudioProcessor, AudioTrackVideo, ImageProcessor, MediaProcessor, VideoProcessor
+from mmgate.models.family import (
+    AudioProcessor,
+    AudioTrackVideo,
+    BatchPlanner,
+    ImageProcessor,
+    MediaProcessor,
+    VideoProcessor,
+)
 from mmgate.observe import timing_log
 from mmgate.transport.limits import element_bytes, payload_too_large
 from mmgate.types import (
@@ -80,12 +88,21 @@ class MediaSource(Protocol):
         """
         ...
 
-    def plan(self, proc: MediaProcessor, item: Any, hints: ItemHints) -> ItemPlan[Hashable]:
-        """The processor's plan of one decoded item (what its ``preprocess`` and ``expand`` take)."""
+    def batch_context(self, proc: MediaProcessor, items: Sequence[Any], settings: Settings) -> Hashable | None:
+        """What the request's decoded items of this modality pass to each item's plan when the reference
+        processes them as one batch (:class:`~mmgate.models.family.BatchPlanner`, where the settings keep it
+        on); None: each item is planned alone."""
+        ...
+
+    def plan(self, proc: MediaProcessor, item: Any, hints: ItemHints,
+             context: Hashable | None = None) -> ItemPlan[Hashable]:
+        """The processor's plan of one decoded item (what its ``preprocess`` and ``expand`` take), in the batch
+        ``context`` describes (:meth:`batch_context`; None: alone)."""
         ...
 
     def fingerprint(self, proc: MediaProcessor, item: Any, settings: Settings) -> str:
-        """``proc.fingerprint`` as it applies to ``item`` (the cache and hash key's processor part)."""
+        """``proc.fingerprint`` as it applies to ``item`` (the cache and hash key's processor part; the pipeline
+        appends what a batch-planned item owes to its batch, :meth:`BatchPlanner.batch_fingerprint`)."""
         ...
 
 
@@ -156,7 +173,11 @@ class ImageSource:
 
         return await _load_each(ctx, refs, fs.image_max_bytes, lambda r: r.url, decode)
 
-    def plan(self, proc: MediaProcessor, item: DecodedImage, hints: ItemHints) -> ItemPlan:
+    def batch_context(self, proc: MediaProcessor, items: Sequence[Any], settings: Settings) -> None:
+        return None
+
+    def plan(self, proc: MediaProcessor, item: DecodedImage, hints: ItemHints, context: Hashable | None = None
+             ) -> ItemPlan:
         assert isinstance(proc, ImageProcessor)
         return proc.plan(item.height, item.width, hints)
 
@@ -209,7 +230,11 @@ class VideoSource:
 
         return await _load_each(ctx, refs, fs.video_max_bytes, key, decode, stop.set, logged)
 
-    def plan(self, proc: MediaProcessor, item: DecodedVideo, hints: ItemHints) -> ItemPlan[VideoDetail]:
+    def batch_context(self, proc: MediaProcessor, items: Sequence[Any], settings: Settings) -> None:
+        return None
+
+    def plan(self, proc: MediaProcessor, item: DecodedVideo, hints: ItemHints, context: Hashable | None = None
+             ) -> ItemPlan[VideoDetail]:
         assert isinstance(proc, VideoProcessor)
         return proc.plan(item, hints)
 
@@ -300,9 +325,20 @@ class AudioSource:
 
         return await _load_each(ctx, refs, ctx.settings.fetch.audio_max_bytes, lambda r: r.url, decode)
 
-    def plan(self, proc: MediaProcessor, item: DecodedAudio, hints: ItemHints) -> ItemPlan:
+    def batch_context(self, proc: MediaProcessor, items: Sequence[Any], settings: Settings) -> int | None:
+        """The batch length of a :class:`~mmgate.models.family.BatchPlanner` (``--audio-batch-padding``, the
+        default); None without one or with ``--no-audio-batch-padding``."""
+        if settings.audio.batch_padding and isinstance(proc, BatchPlanner):
+            return proc.batch_context(items)
+        return None
+
+    def plan(self, proc: MediaProcessor, item: DecodedAudio, hints: ItemHints, context: Hashable | None = None
+             ) -> ItemPlan:
         assert isinstance(proc, AudioProcessor)
-        return proc.plan(item, hints)
+        if context is None:
+            return proc.plan(item, hints)
+        assert isinstance(proc, BatchPlanner) and isinstance(context, int)
+        return proc.plan_in_batch(item, hints, context)
 
     def fingerprint(self, proc: MediaProcessor, item: DecodedAudio, settings: Settings) -> str:
         return proc.fingerprint
