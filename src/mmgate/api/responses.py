@@ -35,7 +35,7 @@ from mmgate.errors import ErrorCode, GatewayError
 from mmgate.request.structured import ToolMode
 from mmgate.types import PreparedRequest
 
-_FINISH = {"stop": "stop", "length": "length", "abort": "stop", "": "stop"}
+_FINISH = {"stop": "stop", "length": "length", "": "stop"}  # an engine abort never gets here (WorkerClient.generate)
 
 
 def _finish_reason(complete: EngineEvent) -> str:

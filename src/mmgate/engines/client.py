@@ -99,6 +99,10 @@ def probe_outcome(code: grpc.StatusCode) -> ProbeOutcome:
     return ProbeOutcome.ERROR
 
 
+def _engine_abort(target: str) -> GatewayError:
+    return GatewayError(ErrorCode.ENGINE_UNAVAILABLE, f"worker {target} aborted the request before finishing it")
+
+
 @dataclass(frozen=True, slots=True)
 class BundleChunk:
     """One piece of a worker's bundle archive (a ``GetTokenizerChunk``, smg-grpc-proto ``common.proto``)."""
@@ -273,8 +277,16 @@ class WorkerClient:
         """Run one leg (``request``, encoded by this worker's adapter) and stream its events; cancels the
         call if the consumer stops early.
 
+        A ``complete`` event with ``finish_reason`` ``abort`` ends the leg with a retryable
+        ``engine_unavailable``: the gateway never sends ``Abort`` (it cancels the call, and then reads
+        nothing more), so an aborted choice is the engine's own doing (shutting down, a failed KV transfer)
+        and its output is cut short; answering it as a finished choice would hand the client a truncated
+        completion as a whole one.  (vLLM's and SMG's HTTP servers pass ``abort`` on as a finish reason;
+        SGLang's tokenizer and gRPC request managers raise on a scheduler's abort.)
+
         Raises:
-            GatewayError: the call's failure, mapped by the wire's adapter.
+            GatewayError: the call's failure, mapped by the wire's adapter; ``engine_unavailable`` for an
+                engine abort.
         """
         adapter = self.adapter
         if adapter is None:
@@ -287,6 +299,8 @@ class WorkerClient:
             while (resp := await call.read()) is not grpc.aio.EOF:
                 self.last_answer = time.monotonic()
                 for event in adapter.events(resp):
+                    if event.is_complete and event.finish_reason == "abort":
+                        raise _engine_abort(self.target)
                     yield event
         except grpc.aio.AioRpcError as exc:
             raise adapter.map_error(exc) from None

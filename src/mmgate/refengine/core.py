@@ -251,6 +251,11 @@ class EngineCore:
             flag.set()
         return len(flags)
 
+    def active_ids(self) -> tuple[str, ...]:
+        """The ids of the requests registered now (running or queued), in arrival order."""
+        with self._lock:
+            return tuple(self._active)
+
     def counts(self) -> tuple[int, int]:
         """(active requests, requests on a model thread)."""
         with self._lock:

@@ -46,7 +46,11 @@ def refuse(request_id: str, exc: BaseException, context: grpc.ServicerContext) -
 
 def serve_generate(core: EngineCore, request_id: str, context: grpc.ServicerContext, read: Callable[[], Leg],
                    writer_for: Callable[[Run], Writer]) -> Iterator[Any]:
-    """One Generate stream: a slot, a registered id, the leg read and started, its messages."""
+    """One Generate stream: a slot, a registered id, the leg read and started, its messages.
+
+    Once the engine is shutting down (:meth:`EngineCore.shutdown` cancels every running leg) the stream
+    ends with ``UNAVAILABLE``, as a dying engine's connection does, not with the ``abort`` Complete its
+    cancelled generation produces: that one answers the wire's ``Abort`` only."""
     if not core.try_stream():
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "engine busy: every Generate stream slot is taken")
     try:
@@ -68,6 +72,8 @@ def serve_generate(core: EngineCore, request_id: str, context: grpc.ServicerCont
                     context.abort(grpc.StatusCode.UNAVAILABLE, "engine is shutting down")
                 except Exception as exc:  # noqa: BLE001 - every failure becomes a status
                     refuse(request_id, exc, context)
+                if core.shutting_down:  # a stopping engine's streams break off, never end in an ``abort`` Complete
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "engine is shutting down")
                 yield message
         finally:
             core.finish(request_id, cancelled)
