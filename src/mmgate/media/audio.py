@@ -109,31 +109,38 @@ def _header_seconds(container: Any, stream: Any) -> float | None:
 
 def _decode_planar(container: Any, stream: Any, max_samples: int, max_duration_s: float,
                    deadline: _Deadline) -> npt.NDArray[np.float32]:
-    """All frames as float32 planar ``[channels, n]`` (vLLM ``load_audio_pyav``), at most ``max_samples``."""
+    """All frames as float32 planar ``[channels, n]`` (vLLM ``load_audio_pyav``), at most ``max_samples``.
+
+    The resampler's frames are gathered in an ``av.AudioFifo`` and read out once: the same samples as
+    vLLM's per-frame ``to_ndarray`` + ``np.concatenate`` (an mp3 frame is 1152 samples, so a 30 s clip
+    is ~1150 arrays there): a 30 s mp3 decodes in ~17 % less time (docs/performance.md "Audio preprocessing").
+    """
     import av
 
     rate = int(stream.rate)
     resampler = av.AudioResampler(format="fltp", rate=rate)
-    chunks: list[npt.NDArray[Any]] = []  # float32 [channels, k] (fltp)
-    total = 0
+    fifo = av.AudioFifo()
     try:
         for frame in container.decode(stream):
             deadline.check()
             for out in resampler.resample(frame):
-                chunks.append(out.to_ndarray())
-                total += out.samples
-            if total > max_samples:
-                raise _too_long(total / rate, max_duration_s)
+                out.pts = None  # the fifo checks timestamps for gaps; the samples are what vLLM keeps
+                fifo.write(out)
+            if fifo.samples > max_samples:
+                raise _too_long(fifo.samples / rate, max_duration_s)
         for out in resampler.resample(None):
-            chunks.append(out.to_ndarray())
-            total += out.samples
+            out.pts = None
+            fifo.write(out)
     except av.FFmpegError as exc:
         raise _failed(type(exc).__name__) from None
+    except ValueError:  # a frame whose layout or format changes mid-stream (the resampler and the fifo refuse it)
+        raise _failed("a frame that does not match the stream's format") from None
+    total = fifo.samples
     if total > max_samples:
         raise _too_long(total / rate, max_duration_s)
-    if not chunks or total == 0:
+    if total == 0:
         raise GatewayError(ErrorCode.AUDIO_EMPTY, "audio stream holds no samples")
-    return np.concatenate(chunks, axis=-1).astype(np.float32, copy=False)
+    return fifo.read().to_ndarray().astype(np.float32, copy=False)
 
 
 def decode_audio(data: bytes, target_rate: int, *, max_input_bytes: int, max_duration_s: float,
