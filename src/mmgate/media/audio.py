@@ -138,9 +138,10 @@ def _decode_planar(container: Any, stream: Any, max_samples: int, max_duration_s
     total = fifo.samples
     if total > max_samples:
         raise _too_long(total / rate, max_duration_s)
-    if total == 0:
+    everything = fifo.read() if total else None  # None: nothing was written
+    if everything is None:
         raise GatewayError(ErrorCode.AUDIO_EMPTY, "audio stream holds no samples")
-    return fifo.read().to_ndarray().astype(np.float32, copy=False)
+    return everything.to_ndarray().astype(np.float32, copy=False)
 
 
 def decode_audio(data: bytes, target_rate: int, *, max_input_bytes: int, max_duration_s: float,
