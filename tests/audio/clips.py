@@ -79,9 +79,24 @@ def _frames_for(signal: np.ndarray, codec: Codec, rate: int, layout: str) -> lis
     return frames
 
 
+#: raw ADTS AAC (the ``aac`` demuxer): not in the parity matrix; its parts can be concatenated into one stream whose
+#: channel count changes (:func:`changing_adts`)
+ADTS_AAC = Codec("adts_aac", "adts", "aac", "fltp", (8000, 16000, 22050, 44100, 48000))
+
+
 def encode(signal: np.ndarray, codec_name: str, rate: int) -> bytes:
     """Encode float32 ``[channels, n]`` at ``rate`` with the named codec."""
-    codec = CODECS[codec_name]
+    return encode_with(CODECS[codec_name], signal, rate)
+
+
+def changing_adts(parts: list[tuple[int, int]], seconds: float = 0.5) -> bytes:
+    """ADTS AAC parts of ``(rate, channels)`` back to back: one stream whose frames change rate or channel count."""
+    return b"".join(encode_with(ADTS_AAC, waveform(ClipSpec("adts_aac", rate, channels, seconds)), rate)
+                    for rate, channels in parts)
+
+
+def encode_with(codec: Codec, signal: np.ndarray, rate: int) -> bytes:
+    """Encode float32 ``[channels, n]`` at ``rate`` with ``codec``."""
     layout = "mono" if signal.shape[0] == 1 else "stereo"
     buf = io.BytesIO()
     with av.open(buf, mode="w", format=codec.container) as out:

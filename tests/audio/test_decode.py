@@ -12,7 +12,16 @@ import pytest
 
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.media.audio import decode_audio, resampled_length
-from tests.audio.clips import CODECS, ClipSpec, encode, make_clip, video_only_mp4, wav_header_only, waveform
+from tests.audio.clips import (
+    CODECS,
+    ClipSpec,
+    changing_adts,
+    encode,
+    make_clip,
+    video_only_mp4,
+    wav_header_only,
+    waveform,
+)
 from tests.audio.references import transformers_load, vllm_load
 
 LIMITS = {"max_input_bytes": 64 << 20, "max_duration_s": 600.0, "timeout_s": 30.0}
@@ -76,6 +85,22 @@ def test_refusals_have_stable_codes() -> None:
     assert _code(clip, max_duration_s=1.5) is ErrorCode.AUDIO_TOO_LONG
     assert _code(clip, max_input_bytes=len(clip) - 1) is ErrorCode.MEDIA_TOO_LARGE
     assert _code(clip, timeout_s=0.0) is ErrorCode.AUDIO_DECODE_TIMEOUT
+
+
+@pytest.mark.parametrize("parts", [[(44100, 2), (44100, 1)], [(44100, 1), (44100, 2)], [(44100, 2), (22050, 2)]],
+                         ids=["stereo-then-mono", "mono-then-stereo", "44k-then-22k"])
+def test_a_stream_whose_channels_or_rate_change_is_refused_as_the_reference_refuses_it(
+        parts: list[tuple[int, int]]) -> None:
+    """An ADTS file of a stereo part then a mono one decodes to frames of both: vLLM's loader stops at
+    ``np.concatenate`` (a ValueError), mmgate answers ``audio_decode_failed``.  (With the frames gathered in an
+    ``av.AudioFifo``, a mono frame written into a stereo fifo read a missing plane: the process crashed.)"""
+    data = changing_adts(parts)
+    if parts[0][0] == parts[1][0]:  # same rate: the reference refuses; a rate change it concatenates unnoticed
+        with pytest.raises(ValueError):
+            vllm_load(data, 16000)
+    assert _code(data) is ErrorCode.AUDIO_DECODE_FAILED
+    one = changing_adts(parts[:1])  # each part alone decodes
+    assert decode_audio(one, 16000, **LIMITS).source_channels == parts[0][1]
 
 
 def test_the_cap_is_enforced_on_decoded_samples_within_the_header_slack() -> None:

@@ -147,7 +147,11 @@ def test_an_engine_stopped_mid_generation_is_never_a_finished_answer(stack: tupl
             httpx.post(f"{base}/v1/chat/completions", json=_body(stream=False), timeout=120)))
         sender.start()
         _running_id(engine)
-        time.sleep(0.2)  # some tokens generated
+        deadline = time.monotonic() + 30
+        while engine.core.counts()[1] == 0:  # on a model thread: generating, not queued
+            assert time.monotonic() < deadline, "the request never started generating"
+            time.sleep(0.01)
+        time.sleep(0.1)  # some tokens generated
         engine.stop(grace=0)
         sender.join(timeout=120)
         assert got, "the request did not return"

@@ -28,7 +28,8 @@ docs/parity.md "Audio".
 Beyond the reference: demuxers limited to ``ALLOWED_DEMUXERS`` and no nested protocol opens
 (as media/video.py); the byte cap before opening; the duration cap checked on the header and
 again while decoding (a stream that lies about its length stops at the cap, never decoded
-to the end); a wall-clock deadline between packets.
+to the end); a wall-clock deadline between packets; a stream whose channel count or rate changes
+mid-stream refused (vLLM's loader fails on a channel change, and concatenates a rate change unnoticed).
 """
 
 from __future__ import annotations
@@ -114,31 +115,48 @@ def _decode_planar(container: Any, stream: Any, max_samples: int, max_duration_s
     The resampler's frames are gathered in an ``av.AudioFifo`` and read out once: the same samples as
     vLLM's per-frame ``to_ndarray`` + ``np.concatenate`` (an mp3 frame is 1152 samples, so a 30 s clip
     is ~1150 arrays there): a 30 s mp3 decodes in ~17 % less time (docs/performance.md "Audio preprocessing").
+    A stream whose channel count, rate or sample format changes mid-stream (an ADTS file of a stereo part
+    then a mono one decodes so) is refused, as vLLM's ``np.concatenate`` refuses it: the resampler passes
+    such frames through unchanged once its first frame needed no conversion, and the fifo checks neither
+    the channel count nor copes with it (a mono frame into a stereo fifo reads a missing plane).
+
+    Raises:
+        GatewayError: ``audio_decode_failed`` (a corrupt or changing stream), ``audio_too_long``,
+            ``audio_empty``, ``audio_decode_timeout``.
     """
     import av
 
     rate = int(stream.rate)
     resampler = av.AudioResampler(format="fltp", rate=rate)
     fifo = av.AudioFifo()
+    kind: tuple[int, int, str] | None = None  # (channels, rate, format) of the first frame written
     try:
         for frame in container.decode(stream):
             deadline.check()
             for out in resampler.resample(frame):
+                this = (out.layout.nb_channels, out.sample_rate, out.format.name)
+                if kind is None:
+                    kind = this
+                elif this != kind:
+                    raise _failed("the channel count, rate or sample format changes mid-stream")
                 out.pts = None  # the fifo checks timestamps for gaps; the samples are what vLLM keeps
                 fifo.write(out)
             if fifo.samples > max_samples:
                 raise _too_long(fifo.samples / rate, max_duration_s)
         for out in resampler.resample(None):
+            if kind is not None and (out.layout.nb_channels, out.sample_rate, out.format.name) != kind:
+                raise _failed("the channel count, rate or sample format changes mid-stream")
             out.pts = None
             fifo.write(out)
     except av.FFmpegError as exc:
         raise _failed(type(exc).__name__) from None
-    except ValueError:  # a frame whose layout or format changes mid-stream (the resampler and the fifo refuse it)
+    except ValueError:  # a frame the resampler or the fifo refuses (its setup does not match)
         raise _failed("a frame that does not match the stream's format") from None
     total = fifo.samples
     if total > max_samples:
         raise _too_long(total / rate, max_duration_s)
     everything = fifo.read() if total else None  # None: nothing was written
+    del fifo  # its buffer (up to twice the clip) goes before the array is made
     if everything is None:
         raise GatewayError(ErrorCode.AUDIO_EMPTY, "audio stream holds no samples")
     return everything.to_ndarray().astype(np.float32, copy=False)
