@@ -129,25 +129,24 @@ def _decode_planar(container: Any, stream: Any, max_samples: int, max_duration_s
     rate = int(stream.rate)
     resampler = av.AudioResampler(format="fltp", rate=rate)
     fifo = av.AudioFifo()
-    kind: tuple[int, int, str] | None = None  # (channels, rate, format) of the first frame written
+    kinds: set[tuple[int, int, str]] = set()  # (channels, rate, format) of the frames written: one allowed
+
+    def take(out: Any) -> None:
+        kinds.add((out.layout.nb_channels, out.sample_rate, out.format.name))
+        if len(kinds) > 1:
+            raise _failed("the channel count, rate or sample format changes mid-stream")
+        out.pts = None  # the fifo checks timestamps for gaps; the samples are what vLLM keeps
+        fifo.write(out)
+
     try:
         for frame in container.decode(stream):
             deadline.check()
             for out in resampler.resample(frame):
-                this = (out.layout.nb_channels, out.sample_rate, out.format.name)
-                if kind is None:
-                    kind = this
-                elif this != kind:
-                    raise _failed("the channel count, rate or sample format changes mid-stream")
-                out.pts = None  # the fifo checks timestamps for gaps; the samples are what vLLM keeps
-                fifo.write(out)
+                take(out)
             if fifo.samples > max_samples:
                 raise _too_long(fifo.samples / rate, max_duration_s)
         for out in resampler.resample(None):
-            if kind is not None and (out.layout.nb_channels, out.sample_rate, out.format.name) != kind:
-                raise _failed("the channel count, rate or sample format changes mid-stream")
-            out.pts = None
-            fifo.write(out)
+            take(out)
     except av.FFmpegError as exc:
         raise _failed(type(exc).__name__) from None
     except ValueError:  # a frame the resampler or the fifo refuses (its setup does not match)
