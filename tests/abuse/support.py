@@ -9,7 +9,6 @@ was seen, no shared-memory segment is left, and the gateway's RSS is back near i
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -20,7 +19,7 @@ from pathlib import Path
 import httpx
 
 from mmgate.cli.launch import Child, start_engine, start_gateway
-from mmgate.transport.shm import PREFIX, SHM_DIR
+from tests.support.shm_scope import own_segments
 
 DEFAULT_MODEL = "Qwen/Qwen2-VL-2B-Instruct"
 
@@ -125,8 +124,8 @@ def rss_mb(pid: int) -> float:
 
 
 def shm_segments() -> set[str]:
-    """mmgate's shared-memory segments present now."""
-    return {e for e in os.listdir(SHM_DIR) if e.startswith(PREFIX)}
+    """mmgate's shared-memory segments present now, of this test's processes (:mod:`tests.support.shm_scope`)."""
+    return own_segments()
 
 
 def after_attack(stack: Stack, watch: HealthWatch, statuses: Sequence[int], shm_before: set[str],

@@ -36,8 +36,12 @@ def _constraint(limits: ConstraintLimits = LIMITS, **fields: Any) -> Constraint 
 
 
 def _refused(limits: ConstraintLimits = LIMITS, **fields: Any) -> GatewayError:
+    return _refused_body(_body(**fields), limits)
+
+
+def _refused_body(body: bytes, limits: ConstraintLimits = LIMITS) -> GatewayError:
     with pytest.raises(GatewayError) as info:
-        parse_chat_request(_body(**fields), limits)
+        parse_chat_request(body, limits)
     assert info.value.code is ErrorCode.INVALID_REQUEST
     assert info.value.status == 400
     return info.value
@@ -49,6 +53,24 @@ def _nested_arrays(levels: int) -> dict[str, Any]:
     for _ in range(levels):
         schema = {"type": "array", "items": schema}
     return schema
+
+
+def _nested_arrays_text(levels: int) -> str:
+    """The JSON text of ``_nested_arrays(levels)``, written without recursion: ``json.dumps`` of ~950 levels
+    exceeds Python's recursion limit on a deeper stack (a pytest-xdist worker's)."""
+    return '{"type": "array", "items": ' * levels + '{"type": "integer"}' + "}" * levels
+
+
+def _body_with_nested_arrays(fields: Any, levels: int) -> bytes:
+    """``_body(**fields(_nested_arrays(levels)))`` as bytes, the schema spliced in as text (see above)."""
+    marker = {"mmgate_test_marker": 0}
+    body = _body(**fields(marker)).decode()
+    raw, quoted = json.dumps(marker), json.dumps(json.dumps(marker))[1:-1]
+    text = _nested_arrays_text(levels)
+    if quoted in body:  # a field that takes the schema as JSON text
+        return body.replace(quoted, json.dumps(text)[1:-1]).encode()
+    assert raw in body
+    return body.replace(raw, text).encode()
 
 
 def _nested_groups(groups: int) -> str:
@@ -106,11 +128,12 @@ def test_schema_text_nested_past_the_depth_limit_is_refused_before_it_is_decoded
     # 950 nested arrays (the issue's 66 s compile): JSON depth 951
     for field in ("guided_json_text", "structured_outputs_json"):
         fields, param = SCHEMA_FIELDS[field]
-        err = _refused(**fields(_nested_arrays(950)))
+        err = _refused_body(_body_with_nested_arrays(fields, 950))
         assert err.param == param and "nested more than 64 levels" in err.message
     for field in ("response_format", "guided_json_object", "tool_choice_named", "tool_choice_required"):
         fields, _ = SCHEMA_FIELDS[field]  # objects inside the body: the body's own 64-level bound refuses them
-        assert "request JSON is nested more than 64 levels" in _refused(**fields(_nested_arrays(950))).message
+        message = _refused_body(_body_with_nested_arrays(fields, 950)).message
+        assert "request JSON is nested more than 64 levels" in message
 
 
 def test_schema_depth_at_the_limit_is_accepted_and_one_more_level_is_refused() -> None:

@@ -17,14 +17,14 @@ import pytest
 from PIL import Image
 
 from mmgate.cli.launch import Child, start_engine, start_gateway
-from mmgate.transport.shm import PREFIX, SHM_DIR
 from tests.conftest import bundle_dir
+from tests.support.shm_scope import own_segments
 
 MODEL = "Qwen/Qwen2-VL-2B-Instruct"
 
 
 def segments() -> set[str]:
-    return {n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX)}
+    return own_segments()
 
 
 @pytest.fixture(scope="module")

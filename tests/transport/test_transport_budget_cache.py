@@ -26,10 +26,11 @@ from mmgate.pipeline.budget import InflightBudget
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.config.settings import FetchSettings, Settings, TensorTransport, TransportSettings
 from mmgate.transport.dtypes import EncoderDtype, to_bfloat16_bits, to_float16
-from mmgate.transport.shm import PREFIX, SHM_DIR
+from mmgate.transport.shm import SHM_DIR
 from tests.conftest import bundle_dir
 from tests.support.fake_worker import FakeWorker, FakeWorkerState
 from tests.support.servers import gateway_in_thread, media_origin
+from tests.support.shm_scope import own_segments
 
 MODEL = "Qwen/Qwen2-VL-2B-Instruct"
 # A 64x64 image: smart_resize -> 56x56, grid 4x4 = 16 patches of 3*2*14*14 = 1176 floats.
@@ -53,7 +54,7 @@ def chat(urls: list[str], **extra: object) -> dict:
 
 
 def mmgate_segments() -> set[str]:
-    return {n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX)}
+    return own_segments()
 
 
 def settings(worker: FakeWorker, **transport: object) -> Settings:

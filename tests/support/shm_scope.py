@@ -1,0 +1,63 @@
+"""The shared-memory segments a test may call its own, when other test processes share ``/dev/shm``.
+
+Segments are named ``mmgate-<creator pid>-<hex>`` (:func:`mmgate.transport.shm.create`). A test that
+checks "no segment left behind" diffs :func:`own_segments` before and after: the segments of this
+process, of its live descendants (the gateways and engines it started) and of dead creators (a
+leak's signature). Live processes outside this tree, such as another pytest-xdist worker's stack,
+are not this test's: counting their in-flight segments made the check fail under ``pytest -n``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+from mmgate.transport.shm import PREFIX, SHM_DIR
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = defaultdict(list)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        tree[int(stat.rsplit(")", 1)[1].split()[1])].append(int(entry))  # field 4: ppid
+    return tree
+
+
+def tree_pids(root: int | None = None) -> set[int]:
+    """``root`` (default: this process) and every live descendant of it."""
+    tree, todo, seen = _children(), [os.getpid() if root is None else root], set()
+    while todo:
+        pid = todo.pop()
+        if pid not in seen:
+            seen.add(pid)
+            todo.extend(tree.get(pid, ()))
+    return seen
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def own_segments() -> set[str]:
+    """Names of the ``mmgate-*`` segments in ``/dev/shm`` whose creator is in this process's tree or dead."""
+    ours = tree_pids()
+    found: set[str] = set()
+    for name in os.listdir(SHM_DIR):
+        if not name.startswith(PREFIX):
+            continue
+        pid_text = name[len(PREFIX):].split("-", 1)[0]
+        if not pid_text.isdigit() or int(pid_text) in ours or not _alive(int(pid_text)):
+            found.add(name)
+    return found
