@@ -9,6 +9,7 @@ missing: there a skip for a missing piece would be a pass that tested nothing.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 from pathlib import Path
@@ -50,8 +51,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     """After a module's last test (its fixtures torn down): clear the ``functools.cache``s the module
     defines and collect, so one process running the whole suite (or one pytest-xdist worker running a
-    share of it) does not keep every module's references and tokenizers to the end (measured: ~10 %
-    less RSS over the family modules)."""
+    share of it) does not keep every module's references and tokenizers to the end (docs/ci.md)."""
     module = getattr(item, "module", None)
     if module is None or (nextitem is not None and getattr(nextitem, "module", None) is module):
         return
@@ -59,6 +59,27 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         if getattr(value, "__module__", None) == module.__name__ and callable(getattr(value, "cache_clear", None)):
             value.cache_clear()
     gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand the freed heap back (glibc)
+    except (OSError, AttributeError):
+        pass
+
+
+def pytest_runtest_logfinish(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    """``MMGATE_TEST_RSS_LOG=<folder>``: after each test, append ``<unix s> <RSS MiB> <peak RSS MiB> <test>``
+    to ``<folder>/<xdist worker or main>.log`` (how docs/ci.md sized the workers)."""
+    folder = os.environ.get("MMGATE_TEST_RSS_LOG")
+    if not folder:
+        return
+    import resource
+    import time
+
+    with open("/proc/self/statm") as fh:
+        rss_mib = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(Path(folder) / f"{worker}.log", "a") as fh:
+        fh.write(f"{time.time():.0f} {rss_mib} {peak_mib} {nodeid}\n")
 
 
 @pytest.fixture(scope="session")
