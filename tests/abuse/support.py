@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 from mmgate.cli.launch import Child, start_engine, start_gateway
-from tests.support.shm_scope import own_segments
+from tests.support.shm_scope import leftover_segments, own_segments
 
 DEFAULT_MODEL = "Qwen/Qwen2-VL-2B-Instruct"
 
@@ -142,10 +142,7 @@ def after_attack(stack: Stack, watch: HealthWatch, statuses: Sequence[int], shm_
     status, seconds = light_request(stack.base, stack.model)
     assert status == 200, f"light request after the attack: {status}"
     assert seconds < 2.0, f"light request after the attack took {seconds:.2f}s"
-    deadline = time.monotonic() + 5.0
-    while shm_segments() - shm_before and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not shm_segments() - shm_before, "shared-memory segments left behind"
+    assert not leftover_segments(shm_before, 5.0), "shared-memory segments left behind"
     if idle_rss_mb is not None:
         limit = idle_rss_mb * (1 + rss_slack) + 32.0
         deadline = time.monotonic() + rss_settle_s

@@ -27,7 +27,7 @@ from PIL import Image
 
 from tests.corpus.conftest import CorpusStack
 from tests.media.origin import Behavior
-from tests.support.shm_scope import own_segments
+from tests.support.shm_scope import leftover_segments, own_segments
 
 TOTAL = 2000
 WARMUP = 200
@@ -157,7 +157,7 @@ def test_mixed_run_leaves_no_500_no_leak_and_no_shm_files(corpus_stack: CorpusSt
     assert statuses[500] == 0
     assert not wrong, f"unexpected statuses: {dict(wrong)}"
     assert growth < RSS_GROWTH_LIMIT_MB
-    assert own_segments() - shm_before == set()
+    assert leftover_segments(shm_before) == set()
     log = profile.gateway.log_tail(1_000_000)
     assert "Traceback" not in log and "internal error" not in log and " 500 " not in log
     metrics = httpx.get(profile.base + "/metrics", timeout=10).text

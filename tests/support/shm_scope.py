@@ -10,6 +10,7 @@ are not this test's: counting their in-flight segments made the check fail under
 from __future__ import annotations
 
 import os
+import time
 from collections import defaultdict
 
 from mmgate.transport.shm import PREFIX, SHM_DIR
@@ -61,3 +62,16 @@ def own_segments() -> set[str]:
         if not pid_text.isdigit() or int(pid_text) in ours or not _alive(int(pid_text)):
             found.add(name)
     return found
+
+
+def leftover_segments(before: set[str], settle_s: float = 5.0) -> set[str]:
+    """:func:`own_segments` not in ``before``, once they are gone or ``settle_s`` seconds have passed.
+
+    The wait lets a gateway unlink what its engine has not consumed yet, and lets another test's
+    gateway sweep the segments of a child it saw die (a dead creator's segment counts as ours until
+    then); a leak is still there at the end.
+    """
+    deadline = time.monotonic() + settle_s
+    while (left := own_segments() - before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
