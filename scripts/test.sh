@@ -29,7 +29,7 @@ if [ "$WORKERS" -gt 1 ]; then
 fi
 echo "test.sh: $WORKERS pytest worker(s) (MMGATE_TEST_WORKERS=${MMGATE_TEST_WORKERS:-auto})"
 rc=0
-"$PY" -m pytest -q --durations=40 --timeout="${MMGATE_TEST_TIMEOUT_S:-900}" "${XDIST[@]}" "$@" || rc=$?
+"$PY" -m pytest -q --durations=40 --timeout="${MMGATE_TEST_TIMEOUT_S:-900}" ${XDIST[@]+"${XDIST[@]}"} "$@" || rc=$?
 if [ "$rc" = 5 ]; then
     echo "test.sh: FAILED: pytest collected no tests (args: $*): a run that tests nothing is a failure"
 fi

@@ -12,6 +12,8 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+import resource
+import time
 from pathlib import Path
 
 import pytest
@@ -49,9 +51,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """After a module's last test (its fixtures torn down): clear the ``functools.cache``s the module
-    defines and collect, so one process running the whole suite (or one pytest-xdist worker running a
-    share of it) does not keep every module's references and tokenizers to the end (docs/ci.md)."""
+    """After each test (its fixtures torn down; in the process that ran it): the optional RSS log, then,
+    after a module's last test, clear the ``functools.cache``s the module defines, collect and trim, so
+    one process running the whole suite (or one pytest-xdist worker running a share of it) does not keep
+    every module's references and tokenizers to the end (docs/ci.md)."""
+    log_rss(item.nodeid)
     module = getattr(item, "module", None)
     if module is None or (nextitem is not None and getattr(nextitem, "module", None) is module):
         return
@@ -65,15 +69,12 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         pass
 
 
-def pytest_runtest_logfinish(nodeid: str, location: tuple[str, int | None, str]) -> None:
-    """``MMGATE_TEST_RSS_LOG=<folder>``: after each test, append ``<unix s> <RSS MiB> <peak RSS MiB> <test>``
-    to ``<folder>/<xdist worker or main>.log`` (how docs/ci.md sized the workers)."""
+def log_rss(nodeid: str) -> None:
+    """``MMGATE_TEST_RSS_LOG=<folder>``: append ``<unix s> <RSS MiB> <peak RSS MiB> <test>`` to
+    ``<folder>/<xdist worker, or main>.log`` (how docs/ci.md sized the workers)."""
     folder = os.environ.get("MMGATE_TEST_RSS_LOG")
     if not folder:
         return
-    import resource
-    import time
-
     with open("/proc/self/statm") as fh:
         rss_mib = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10

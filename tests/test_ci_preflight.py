@@ -109,6 +109,14 @@ def test_ci_run_fails_naming_ffmpeg_when_it_is_not_on_path(tmp_path: Path) -> No
     assert len(missing) == 1 and missing[0].startswith("preflight: MISSING ffmpeg: not on PATH"), result.stdout
 
 
+def test_a_missing_pytest_plugin_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert preflight.missing_plugins() == []  # pytest-xdist and pytest-timeout: here, as setup installs them
+    monkeypatch.setattr(preflight, "PLUGINS", {**preflight.PLUGINS, "mmgate_no_such_plugin": "pytest-no-such"})
+    lines = preflight.missing_plugins()
+    assert len(lines) == 1 and lines[0].startswith("pytest plugin pytest-no-such: not installed"), lines
+    assert any(line.startswith("pytest plugin pytest-no-such") for line in preflight.problems(os.environ))
+
+
 def test_every_bundle_the_tests_name_is_one_the_preflight_checks() -> None:
     orgs = {name.split("--")[0] for name in preflight.required_bundles()}
     literal = re.compile(r"""["']((?:%s)(?:--|/)[A-Za-z0-9._-]+)["']""" % "|".join(map(re.escape, sorted(orgs))))

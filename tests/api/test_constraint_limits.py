@@ -125,6 +125,7 @@ def test_group_nesting_at_the_limit_reaches_the_wire_and_one_more_is_refused(fie
 
 
 def test_schema_text_nested_past_the_depth_limit_is_refused_before_it_is_decoded() -> None:
+    assert _nested_arrays_text(3) == json.dumps(_nested_arrays(3))  # the text is the schema the helper builds
     # 950 nested arrays (the 66 s compile): JSON depth 951
     for field in ("guided_json_text", "structured_outputs_json"):
         fields, param = SCHEMA_FIELDS[field]

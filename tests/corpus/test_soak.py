@@ -1,6 +1,6 @@
 """A 2,000-request mixed good/bad run through the HTTP API of a gateway process whose worker is a real
 reference engine: no 500 (answers, log, metrics), RSS growth of the gateway under 50 MB after warm-up,
-no new file in ``/dev/shm``, the engine alive at the end.
+no new mmgate segment in ``/dev/shm`` (``tests/support/shm_scope.py``), the engine alive at the end.
 
 About half the requests are good (small images as ``data:`` URLs or from the loopback origin, and
 text-only); the rest are the refusals a hostile client produces (garbage and truncated bytes, a

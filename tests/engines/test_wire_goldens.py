@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import sys
+import tempfile
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -150,15 +151,20 @@ REQUEST_TYPES = {Wire.VLLM: vllm_engine_pb2.GenerateRequest, Wire.SGLANG: sglang
 
 @contextmanager
 def deterministic_shm() -> Iterator[None]:
-    """Segment names ``mmgate-4242-<counter>`` and owner id ``mmgate-4242`` for one case."""
+    """Segment names ``mmgate-4242-<counter>`` and owner id ``mmgate-4242`` for one case, in a private folder on
+    the same tmpfs: a gateway starting in another pytest-xdist worker sweeps dead creators' segments (pid 4242)
+    from ``/dev/shm`` itself."""
     counter = iter(range(1, 1 << 20))
-    real_getpid, real_secrets = os.getpid, shm.secrets
-    os.getpid = lambda: 4242  # type: ignore[assignment]
-    shm.secrets = types.SimpleNamespace(token_hex=lambda n: f"golden{next(counter):0{2 * n - 6}x}")  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        os.getpid, shm.secrets = real_getpid, real_secrets  # type: ignore[assignment]
+    real_getpid, real_secrets, real_dir = os.getpid, shm.secrets, shm.SHM_DIR
+    with tempfile.TemporaryDirectory(dir=real_dir, prefix="wire-goldens-") as folder:
+        os.getpid = lambda: 4242  # type: ignore[assignment]
+        shm.secrets = types.SimpleNamespace(  # type: ignore[assignment]
+            token_hex=lambda n: f"golden{next(counter):0{2 * n - 6}x}")
+        shm.SHM_DIR = folder
+        try:
+            yield
+        finally:
+            os.getpid, shm.secrets, shm.SHM_DIR = real_getpid, real_secrets, real_dir  # type: ignore[assignment]
 
 
 def _encode(wire: Wire, leg: str, prepared: PreparedRequest, plan: WirePlan, lease: ShmLease) -> bytes:

@@ -195,7 +195,7 @@ def run_conversations(name: str, backend: ImageBackend, count: int, seed: int) -
         specs = []
         while len(specs) < n:  # sizes spread over the pinpoints (different tile counts in one batch)
             w, h = (int(v) for v in rng.integers(1, 1400, size=2))
-            if max(w, h) / min(w, h) > 200:  # LLaVA-1.5 refuses past ~594 (compare_one covers the refusal)
+            if max(w, h) / min(w, h) > 200:  # as random_specs; LLaVA-1.5 refuses past ~594 (compare_one checks it)
                 continue
             specs.append(ImageSpec(w, h, str(rng.choice(("RGB", "RGB", *MODES))), int(rng.integers(0, 2**31))))
         n_images += n

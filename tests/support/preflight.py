@@ -10,6 +10,7 @@ makes the corpus generator drop its video files (those cases become xfails) and 
 * ``mmgate._native.tvresize`` and ``mmgate._native.patchrows`` import (``pip install -e .``
   builds them; ``setup.py`` marks them optional, so a failed compile does not fail the install);
 * ``ffmpeg`` and ``redis-server`` are on ``PATH``;
+* the pytest plugins ``scripts/test.sh`` passes flags of (pytest-xdist, pytest-timeout) are installed;
 * the corpus generator ``make_cases.py`` is in ``$MMGATE_CASES_DIR`` (else ``../shared/cases``).
 
 ``python -m tests.support.preflight`` prints one ``preflight: MISSING <what>: <why>`` line per
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -108,6 +110,16 @@ def missing_tools(env: Mapping[str, str]) -> list[str]:
             for tool, why in TOOLS.items() if shutil.which(tool, path=path) is None]
 
 
+#: the pytest plugins scripts/test.sh passes flags of (-n/--dist/--max-worker-restart, --timeout)
+PLUGINS = {"xdist": "pytest-xdist", "pytest_timeout": "pytest-timeout"}
+
+
+def missing_plugins() -> list[str]:
+    return [f"pytest plugin {dist}: not installed (scripts/test.sh runs pytest with its flags; "
+            f"`pip install -e \".[test]\"` installs it)" for module, dist in PLUGINS.items()
+            if importlib.util.find_spec(module) is None]
+
+
 def missing_corpus(env: Mapping[str, str]) -> list[str]:
     script = cases_dir(env) / "make_cases.py"
     if script.is_file():
@@ -117,7 +129,7 @@ def missing_corpus(env: Mapping[str, str]) -> list[str]:
 
 def problems(env: Mapping[str, str]) -> list[str]:
     """One line per missing piece; empty when the suite can run all of itself."""
-    return missing_bundles(env) + missing_native() + missing_tools(env) + missing_corpus(env)
+    return missing_bundles(env) + missing_native() + missing_tools(env) + missing_plugins() + missing_corpus(env)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     import mmgate
 
     print(f"preflight: ok: {len(required_bundles())} bundles, {', '.join(NATIVE_MODULES)} "
-          f"(from {Path(mmgate.__file__).parent}), {', '.join(TOOLS)}, corpus generator", flush=True)
+          f"(from {Path(mmgate.__file__).parent}), {', '.join(TOOLS)}, {', '.join(PLUGINS.values())}, "
+          f"corpus generator", flush=True)
     return 0
 
 

@@ -5,6 +5,8 @@ checks "no segment left behind" diffs :func:`own_segments` before and after: the
 process, of its live descendants (the gateways and engines it started) and of dead creators (a
 leak's signature). Live processes outside this tree, such as another pytest-xdist worker's stack,
 are not this test's: counting their in-flight segments made the check fail under ``pytest -n``.
+A creator once seen alive outside the tree stays foreign after it dies (another worker may kill
+its own gateway mid-request; its segments are that test's to check).
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import time
 from collections import defaultdict
 
 from mmgate.transport.shm import PREFIX, SHM_DIR
+
+#: creator pids seen alive outside this process's tree (this process's lifetime)
+_FOREIGN: set[int] = set()
 
 
 def _children() -> dict[int, list[int]]:
@@ -51,27 +56,34 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def own_segments() -> set[str]:
-    """Names of the ``mmgate-*`` segments in ``/dev/shm`` whose creator is in this process's tree or dead."""
+def own_segments(directory: str = SHM_DIR) -> set[str]:
+    """Names of the ``mmgate-*`` segments in ``directory`` whose creator is in this process's tree, or is
+    dead and was never seen alive outside it."""
     ours = tree_pids()
     found: set[str] = set()
-    for name in os.listdir(SHM_DIR):
+    for name in os.listdir(directory):
         if not name.startswith(PREFIX):
             continue
         pid_text = name[len(PREFIX):].split("-", 1)[0]
-        if not pid_text.isdigit() or int(pid_text) in ours or not _alive(int(pid_text)):
+        if not pid_text.isdigit():
+            found.add(name)
+            continue
+        pid = int(pid_text)
+        if pid in ours:
+            found.add(name)
+        elif _alive(pid):
+            _FOREIGN.add(pid)
+        elif pid not in _FOREIGN:
             found.add(name)
     return found
 
 
-def leftover_segments(before: set[str], settle_s: float = 5.0) -> set[str]:
+def leftover_segments(before: set[str], settle_s: float = 5.0, directory: str = SHM_DIR) -> set[str]:
     """:func:`own_segments` not in ``before``, once they are gone or ``settle_s`` seconds have passed.
 
-    The wait lets a gateway unlink what its engine has not consumed yet, and lets another test's
-    gateway sweep the segments of a child it saw die (a dead creator's segment counts as ours until
-    then); a leak is still there at the end.
+    The wait lets a gateway unlink what its engine has not consumed yet; a leak is still there at the end.
     """
     deadline = time.monotonic() + settle_s
-    while (left := own_segments() - before) and time.monotonic() < deadline:
+    while (left := own_segments(directory) - before) and time.monotonic() < deadline:
         time.sleep(0.1)
     return left

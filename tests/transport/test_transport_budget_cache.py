@@ -26,11 +26,10 @@ from mmgate.pipeline.budget import InflightBudget
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.config.settings import FetchSettings, Settings, TensorTransport, TransportSettings
 from mmgate.transport.dtypes import EncoderDtype, to_bfloat16_bits, to_float16
-from mmgate.transport.shm import SHM_DIR
+from mmgate.transport.shm import PREFIX, SHM_DIR
 from tests.conftest import bundle_dir
 from tests.support.fake_worker import FakeWorker, FakeWorkerState
 from tests.support.servers import gateway_in_thread, media_origin
-from tests.support.shm_scope import leftover_segments, own_segments
 
 MODEL = "Qwen/Qwen2-VL-2B-Instruct"
 # A 64x64 image: smart_resize -> 56x56, grid 4x4 = 16 patches of 3*2*14*14 = 1176 floats.
@@ -54,7 +53,8 @@ def chat(urls: list[str], **extra: object) -> dict:
 
 
 def mmgate_segments() -> set[str]:
-    return own_segments()
+    """The segments this process created (the gateway and the fake worker run in it)."""
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(f"{PREFIX}{os.getpid()}-")}
 
 
 def settings(worker: FakeWorker, **transport: object) -> Settings:
@@ -86,7 +86,7 @@ def test_shm_and_inline_deliver_bit_identical_tensors(worker: FakeWorker) -> Non
     assert inline.input_ids == shm.input_ids
     for name, array in inline.tensors.items():
         assert array.dtype == shm.tensors[name].dtype and np.array_equal(array, shm.tensors[name]), name
-    assert leftover_segments(before) == set()
+    assert mmgate_segments() == before
 
 
 def test_auto_uses_shm_only_for_a_worker_in_our_shm_namespace() -> None:
@@ -475,7 +475,7 @@ def test_segment_write_failure_during_the_fill_falls_back_to_inline(worker: Fake
     assert fallback.payloads["pixel_values"] == "inline"
     for name, array in inline.tensors.items():
         assert np.array_equal(array, fallback.tensors[name]), name
-    assert leftover_segments(before) == set()
+    assert mmgate_segments() == before
 
 
 def test_one_pixel_cache_shared_by_two_models_keeps_their_rows_apart_and_counts_each() -> None:

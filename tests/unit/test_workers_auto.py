@@ -62,7 +62,10 @@ def test_auto_is_one_process_per_core_that_half_the_memory_holds(monkeypatch: py
     assert cores.auto_workers(None, cores=16, memory=100 << 20) == 1  # never below 1
     small_budget = cores.IDLE_PROCESS_BYTES + (64 << 20)
     assert cores.auto_workers(64 << 20, cores=16, memory=4 * GIB) == (2 * GIB) // small_budget
-    monkeypatch.setattr(cores, "available_memory_bytes", lambda: None)  # not this machine's (tests share it)
+    # memory=None reads available_memory_bytes (patched: the machine's changes while other tests run)
+    monkeypatch.setattr(cores, "available_memory_bytes", lambda: 4 * GIB)
+    assert cores.auto_workers(None, cores=16) == (2 * GIB) // per
+    monkeypatch.setattr(cores, "available_memory_bytes", lambda: None)
     assert cores.auto_workers(None, cores=3, memory=None) == 3  # memory unknown: the cores alone
 
 
