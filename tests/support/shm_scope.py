@@ -13,47 +13,30 @@ from __future__ import annotations
 
 import os
 import time
-from collections import defaultdict
 
-from mmgate.transport.shm import PREFIX, SHM_DIR
+from mmgate.transport.shm import PREFIX, SHM_DIR, pid_alive
 
 #: creator pids seen alive outside this process's tree (this process's lifetime)
 _FOREIGN: set[int] = set()
 
 
-def _children() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = defaultdict(list)
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        tree[int(stat.rsplit(")", 1)[1].split()[1])].append(int(entry))  # field 4: ppid
-    return tree
-
-
 def tree_pids(root: int | None = None) -> set[int]:
-    """``root`` (default: this process) and every live descendant of it."""
-    tree, todo, seen = _children(), [os.getpid() if root is None else root], set()
+    """``root`` (default: this process) and every live descendant of it (``/proc/<pid>/task/*/children``,
+    as ``benchmarks/gateway_procs.py`` walks a gateway's tree)."""
+    seen: set[int] = set()
+    todo = [os.getpid() if root is None else root]
     while todo:
         pid = todo.pop()
-        if pid not in seen:
-            seen.add(pid)
-            todo.extend(tree.get(pid, ()))
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/children") as fh:
+                    todo.extend(int(c) for c in fh.read().split())
+        except OSError:
+            continue
     return seen
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def own_segments(directory: str = SHM_DIR) -> set[str]:
@@ -71,7 +54,7 @@ def own_segments(directory: str = SHM_DIR) -> set[str]:
         pid = int(pid_text)
         if pid in ours:
             found.add(name)
-        elif _alive(pid):
+        elif pid_alive(pid):
             _FOREIGN.add(pid)
         elif pid not in _FOREIGN:
             found.add(name)
