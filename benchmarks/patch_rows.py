@@ -21,7 +21,12 @@ rounds of ``numpy seconds / native seconds`` (> 1: the kernel is faster), with t
 milliseconds of each.  Single-threaded: the pool runs two of these at once (the kernel
 releases the GIL; the numpy path mostly does too, inside its ufuncs and copies).
 
-Run:  python benchmarks/patch_rows.py [--rounds 9] [--repeat 5] [--json bench-out/patch_rows.json]
+``--sink`` measures instead, for the ``inline`` and ``raw`` cells, the compiled kernel writing
+cache-sized blocks that are copied into the request payload (``blocks``: the sink a plain callable)
+against the kernel writing straight into the payload through its
+:class:`~mmgate.types.RowArray` (``direct``: what the gateway does).
+
+Run:  python benchmarks/patch_rows.py [--sink] [--rounds 9] [--repeat 5] [--json bench-out/patch_rows.json]
 """
 
 from __future__ import annotations
@@ -60,7 +65,9 @@ VIDEO_FRAMES, VIDEO_HW = 16, (360, 640)
 Fn = Callable[[], Any]
 
 
-def inline_fn(pixels: np.ndarray, p: int, m: int, t: int, normalizer: Any, native: bool) -> Fn:
+def inline_fn(pixels: np.ndarray, p: int, m: int, t: int, normalizer: Any, native: bool, blocks: bool = False) -> Fn:
+    """``write_rows`` into a BufferTarget over a new request payload; ``blocks``: the writer as a plain
+    callable, so the kernel writes cache-sized blocks that are copied in (the path before ``RowArray``)."""
     rows = (pixels.shape[0] // p) * (pixels.shape[1] // p)
     width = pixels.shape[2] * t * p * p
     item = 1 if normalizer is None else 4
@@ -69,20 +76,46 @@ def inline_fn(pixels: np.ndarray, p: int, m: int, t: int, normalizer: Any, nativ
         data, view = new_bytes(rows * width * item)
         target = BufferTarget(view, width, item, owner=data)
         with target.writer() as put:
-            write_rows(pixels, p, m, t, normalizer, put, native=native)
+            sink = (lambda row, block: put(row, block)) if blocks else put
+            write_rows(pixels, p, m, t, normalizer, sink, native=native)
         return data
 
     return run
 
 
-def cells(rng: np.random.Generator) -> list[tuple[str, str, str, Fn, Fn]]:
-    """(model, size, path, numpy fn, native fn) per cell."""
+def sink_cells() -> list[tuple[str, str, str, Fn, Fn]]:
+    """(model, size, path, blocks fn, direct fn): the compiled kernel's rows copied in block by block
+    against computed straight into the request payload (``--sink``)."""
     out: list[tuple[str, str, str, Fn, Fn]] = []
+    for label, proc in processors():
+        prm = proc.params
+        p, m, t, norm = prm.patch_size, prm.merge_size, prm.temporal_patch_size, proc._normalizer
+        for size, (w, h) in SIZES.items():
+            image = decode_image(sample_jpeg(w, h), DEFAULT_MAX_IMAGE_PIXELS)
+            px = proc.resized(image, proc.plan(*image.pixels.shape[:2])).pixels
+            label_size = f"{size}->{px.shape[1]}x{px.shape[0]}"
+            out.append((label, label_size, "inline", inline_fn(px, p, m, t, norm, True, blocks=True),
+                        inline_fn(px, p, m, t, norm, True)))
+            out.append((label, label_size, "raw", inline_fn(px, p, m, t, None, True, blocks=True),
+                        inline_fn(px, p, m, t, None, True)))
+    return out
+
+
+def processors() -> list[tuple[str, Any]]:
+    """(model label, its Qwen-VL image processor, torchvision backend) per model of :data:`MODELS`."""
+    out = []
     for label, folder in MODELS.items():
         bundle = load_bundle(MODELS_DIR / folder)
         family = load_family(bundle, load_tokenizer(bundle), ImageBackend.TORCHVISION)
         assert family is not None and family.image is not None
-        proc: Any = family.image
+        out.append((label, family.image))
+    return out
+
+
+def cells(rng: np.random.Generator) -> list[tuple[str, str, str, Fn, Fn]]:
+    """(model, size, path, numpy fn, native fn) per cell."""
+    out: list[tuple[str, str, str, Fn, Fn]] = []
+    for label, proc in processors():
         prm = proc.params
         p, m, t, norm = prm.patch_size, prm.merge_size, prm.temporal_patch_size, proc._normalizer
         for size, (w, h) in SIZES.items():
@@ -123,17 +156,20 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sink", action="store_true",
+                    help="the kernel's blocks copied into the request payload against rows computed in place")
     args = ap.parse_args()
     if not patch_native.NATIVE:
         raise SystemExit("mmgate._native.patchrows is not built (pip install -e . with a C compiler)")
-    table = cells(np.random.default_rng(0))
+    first, second = ("blocks", "direct") if args.sink else ("numpy", "native")
+    table = sink_cells() if args.sink else cells(np.random.default_rng(0))
     for model, size, path, old, new in table:
         if not same(old(), new()):
-            raise SystemExit(f"{model} {size} {path}: native rows differ from the numpy path")
-    times: dict[int, dict[str, list[float]]] = {i: {"numpy": [], "native": [], "ratio": []} for i in range(len(table))}
+            raise SystemExit(f"{model} {size} {path}: {second} rows differ from the {first} path")
+    times: dict[int, dict[str, list[float]]] = {i: {first: [], second: [], "ratio": []} for i in range(len(table))}
     for rnd in range(args.rounds):
         for i, (_, _, _, old, new) in enumerate(table):
-            pair = [("numpy", old), ("native", new)]
+            pair = [(first, old), (second, new)]
             if (rnd + i) % 2:
                 pair.reverse()
             got: dict[str, float] = {}
@@ -142,17 +178,17 @@ def main() -> None:
                 for _ in range(args.repeat):
                     fn()
                 got[name] = (time.perf_counter() - t0) / args.repeat
-            times[i]["numpy"].append(got["numpy"])
-            times[i]["native"].append(got["native"])
-            times[i]["ratio"].append(got["numpy"] / got["native"])
+            times[i][first].append(got[first])
+            times[i][second].append(got[second])
+            times[i]["ratio"].append(got[first] / got[second])
     rows = []
     for i, (model, size, path, _, _) in enumerate(table):
-        rows.append([model, size, path, median(times[i]["numpy"]) * 1e3, median(times[i]["native"]) * 1e3,
+        rows.append([model, size, path, median(times[i][first]) * 1e3, median(times[i][second]) * 1e3,
                      median(times[i]["ratio"])])
-    print(render_table(["model", "size", "path", "numpy ms", "native ms", "numpy/native"], rows))
-    write_json(args.json, {"benchmark": "patch_rows", "environment": environment(), "rounds": args.rounds,
-                           "repeat": args.repeat,
-                           "cells": [dict(zip(("model", "size", "path", "numpy_ms", "native_ms", "ratio"), r))
+    print(render_table(["model", "size", "path", f"{first} ms", f"{second} ms", f"{first}/{second}"], rows))
+    write_json(args.json, {"benchmark": "patch_rows", "mode": "sink" if args.sink else "kernel",
+                           "environment": environment(), "rounds": args.rounds, "repeat": args.repeat,
+                           "cells": [dict(zip(("model", "size", "path", f"{first}_ms", f"{second}_ms", "ratio"), r))
                                      for r in rows]})
 
 

@@ -335,6 +335,50 @@ class Replacement:
 RowWrite = Callable[[int, np.ndarray], None]
 
 
+class RowArray:
+    """A :data:`RowWrite` over rows a writer can also compute in place.
+
+    ``array``: the destination rows ``[rows, width]`` themselves, in the values' dtype
+    (float32 normalized, uint8 raw), C-contiguous and writable, at any byte address (the
+    payload of a serialized request is not float-aligned).  A row writer that can compute
+    into an array (``mmgate.models.patch_native.fill_rows``) writes
+    ``array[first:first + n]`` directly instead of handing over blocks, which saves the
+    copy of every block; calling it copies a block in, as any :data:`RowWrite` does.
+    A target offers one only where it stores the values unconverted in addressable memory
+    (``BufferTarget`` with the identity conversion).
+    """
+
+    __slots__ = ("array", "_bytes")
+
+    def __init__(self, array: np.ndarray) -> None:
+        if array.ndim != 2 or not array.flags.c_contiguous or not array.flags.writeable:
+            raise ValueError(f"RowArray needs a writable C-contiguous [rows, width] array, got {array.shape}")
+        self.array = array
+        self._bytes = array.reshape(-1).view(np.uint8)  # byte copies: no unaligned float loop
+
+    def __call__(self, first_row: int, rows: np.ndarray) -> None:
+        """Copy ``rows`` (``[b, width]``, the array's dtype) to rows ``first_row .. first_row + b``."""
+        if rows.dtype != self.array.dtype or rows.ndim != 2 or rows.shape[1] != self.array.shape[1]:
+            raise ValueError(f"rows {rows.dtype}{list(rows.shape)} do not fit "
+                             f"{self.array.dtype}{list(self.array.shape)}")
+        if not 0 <= first_row <= len(self.array) - len(rows):
+            raise ValueError(f"rows [{first_row}, {first_row + len(rows)}) outside the {len(self.array)} rows")
+        row_bytes = self.array.shape[1] * self.array.itemsize
+        self._bytes[first_row * row_bytes:(first_row + len(rows)) * row_bytes] = \
+            np.ascontiguousarray(rows).reshape(-1).view(np.uint8)
+
+    def shifted(self, first_row: int) -> RowArray:
+        """The rows from ``first_row`` on (row 0 of the result is row ``first_row`` of this one)."""
+        return RowArray(self.array[first_row:])
+
+
+def shifted(write: RowWrite, first_row: int) -> RowWrite:
+    """``write`` with its row numbers offset by ``first_row`` (a :class:`RowArray` stays one)."""
+    if isinstance(write, RowArray):
+        return write.shifted(first_row)
+    return lambda row, rows: write(first_row + row, rows)
+
+
 class RowTarget(Protocol):
     """Where a :class:`PendingTensor`'s rows go: the buffer that carries them to the engine.
 

@@ -450,6 +450,31 @@ def test_new_bytes_is_a_writable_bytes_object_owned_once() -> None:
     assert empty == b"" and empty_view.size == 0
 
 
+@pytest.mark.parametrize("dtype, convert, direct", [("float32", None, True), ("uint8", None, True),
+                                                     ("bfloat16", to_bfloat16_bits, False)])
+def test_request_bytes_offer_their_rows_in_place_only_without_a_conversion(dtype: str, convert, direct: bool) -> None:
+    """``BufferTarget.writer``: float32 / uint8 values travel as they are, so the writer is a ``RowArray`` over the
+    request bytes (at an odd byte offset: the payload follows the serialized head) that a row writer computes
+    into; a converting target (bfloat16) keeps copying converted blocks.  Either way the bytes are the values'
+    wire form (``to_bfloat16_bits``, checked against torch above)."""
+    from mmgate.transport.placement import BufferTarget, new_bytes
+    from mmgate.types import RowArray
+
+    rows = np.random.default_rng(3).random((6, 10), dtype=np.float32) * 200
+    values = rows.astype(np.uint8) if dtype == "uint8" else rows
+    wire = values if convert is None else convert(values)
+    data, view = new_bytes(wire.nbytes + 5)
+    view[:5] = 9
+    target = BufferTarget(view[5:], 10, wire.itemsize, *(() if convert is None else (convert,)), owner=data)
+    with target.writer() as put:
+        assert isinstance(put, RowArray) is direct
+        if direct:
+            assert put.array.dtype == values.dtype and put.array.shape == (6, 10)
+        put(4, values[4:])
+        put(0, values[:4])
+    assert data[:5] == b"\x09" * 5 and data[5:] == wire.tobytes()
+
+
 def test_segment_write_failure_during_the_fill_falls_back_to_inline(worker: FakeWorker,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """/dev/shm filling up while the rows are written: the request is encoded again inline, answers 200

@@ -4,7 +4,8 @@ The family parity tests (``tests/families``) compare ``preprocess_one`` with the
 transformers processors themselves; these tests pin the pieces the fast path adds:
 the formula chosen for every rescale/normalize flag combination and both backends
 equals the ``[C, 256]`` table, the table-gather fallback, block boundaries (row
-counts that are not a multiple of the block), raw uint8 rows, and the sink calls.
+counts that are not a multiple of the block), raw uint8 rows, the sink calls, and rows computed in
+place into a :class:`~mmgate.types.RowArray` (the request bytes).
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mmgate.models import geometry
+from mmgate.models import geometry, patch_native
 from mmgate.models.image_rows import RowNormalizer, image_rows, patch_rows_u8, write_rows
 from mmgate.models.backend import ImageBackend
+from mmgate.types import RowArray, shifted
 
 CLIP = ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))
 HALF = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
@@ -117,3 +119,67 @@ def test_bands_write_disjoint_row_ranges_that_cover_the_image(parts: int) -> Non
     total = sum(write_rows(image, 14, 2, 2, normalizer, sink, block_rows=5, band=(k, parts)) for k in range(parts))
     assert total == len(expected) and (written == 1).all()
     assert np.array_equal(out.view(np.uint32), expected.view(np.uint32))
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["kernel", "numpy"])
+@pytest.mark.parametrize("offset", [0, 3])
+@pytest.mark.parametrize("parts", [1, 3])
+def test_rows_computed_in_place_into_a_row_array(native: bool, offset: int, parts: int,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A :class:`RowArray` sink (the request bytes, at any byte address): the kernel writes each band straight
+    into it (never through its block buffer), the numpy path copies its blocks in; every row lands once, with
+    the reference's values."""
+    monkeypatch.setattr(patch_native, "blocks", _no_blocks)
+    mean, std = CLIP
+    lut = geometry.normalize_lut(ImageBackend.PIL, 1 / 255, mean, std, True, True)
+    normalizer = RowNormalizer.for_table(lut, 1 / 255, mean, std, True, True)
+    image = np.random.default_rng(parts + offset).integers(0, 256, (28 * 5, 28 * 3, 3), dtype=np.uint8)
+    expected = _reference_rows(image, lut, 14, 2)
+    first = 4  # the item's rows start after another item's
+    raw = np.full(offset + (first + len(expected) + 2) * expected.shape[1] * 4, 0xAB, dtype=np.uint8)
+    rows = raw[offset:].view(np.float32).reshape(-1, expected.shape[1])
+    sink = RowArray(rows)
+    total = sum(write_rows(image, 14, 2, 2, normalizer, shifted(sink, first), block_rows=5, band=(k, parts),
+                           native=native) for k in range(parts))
+    assert total == len(expected)
+    assert np.array_equal(rows[first:first + len(expected)].view(np.uint32), expected.view(np.uint32))
+    untouched = np.concatenate([raw[:offset + first * expected.shape[1] * 4],
+                                raw[offset + (first + len(expected)) * expected.shape[1] * 4:]])
+    assert (untouched == 0xAB).all()
+
+
+def _no_blocks(*args: object, **kwargs: object) -> None:
+    raise AssertionError("a RowArray sink must be written in place, not through the block buffer")
+
+
+def test_raw_rows_into_a_row_array() -> None:
+    image = np.random.default_rng(7).integers(0, 256, (64, 32, 3), dtype=np.uint8)
+    rows = np.zeros((8, 3 * 2 * 16 * 16), dtype=np.uint8)
+    assert write_rows(image, 16, 2, 2, None, RowArray(rows)) == 8
+    assert np.array_equal(rows, _patchify(image, 16, 2, 2))
+
+
+def test_row_array_refuses_what_does_not_fit() -> None:
+    rows = np.zeros((4, 6), dtype=np.float32)
+    sink = RowArray(rows)
+    sink(1, np.ones((2, 6), dtype=np.float32))
+    assert rows.sum() == 12 and rows[0].sum() == 0 and rows[3].sum() == 0
+    with pytest.raises(ValueError, match="do not fit"):
+        sink(0, np.ones((1, 6), dtype=np.float64))
+    with pytest.raises(ValueError, match="do not fit"):
+        sink(0, np.ones((1, 5), dtype=np.float32))
+    with pytest.raises(ValueError, match="outside"):
+        sink(3, np.ones((2, 6), dtype=np.float32))
+    with pytest.raises(ValueError, match="writable C-contiguous"):
+        RowArray(np.zeros((4, 6), dtype=np.float32)[:, ::2])
+    read_only = np.zeros((4, 6), dtype=np.float32)
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match="writable C-contiguous"):
+        RowArray(read_only)
+    assert shifted(sink, 3).array.shape == (1, 6)
+
+
+def test_shifted_offsets_a_plain_writer() -> None:
+    calls: list[tuple[int, int]] = []
+    shifted(lambda row, rows: calls.append((row, len(rows))), 10)(2, np.zeros((3, 1)))
+    assert calls == [(12, 3)]

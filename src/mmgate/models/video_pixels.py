@@ -29,6 +29,7 @@ import numpy as np
 from mmgate.models import geometry, patch_native
 from mmgate.models.image_rows import BLOCK_ROWS, RowNormalizer, RowSink
 from mmgate.models.backend import ImageBackend
+from mmgate.types import RowArray
 
 #: (gt, T, gh/m, m_h, p_h, gw/m, m_w, p_w, C) -> (gt, gh/m, gw/m, m_h, m_w, C, T, p_h, p_w): the reference's
 #: ``permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)`` of ``(B, gt, T, C, gh/m, m, p, gw/m, m, p)``, from channels-last
@@ -90,15 +91,24 @@ class FrameProcessor:
     def write_rows(self, frames: np.ndarray, size_hw: tuple[int, int] | None, resample: int, patch_size: int,
                    merge_size: int, temporal_patch_size: int, raw: bool, sink: RowSink) -> int:
         """:meth:`__call__`'s rows handed to ``sink(first_row, rows)`` one temporal patch at a time
-        (one block of ``grid_h * grid_w`` rows, reused); returns the rows written."""
+        (one block of ``grid_h * grid_w`` rows, reused); returns the rows written.  A
+        :class:`~mmgate.types.RowArray` sink of the rows' dtype gets each temporal patch's rows computed
+        straight into it (no block copy)."""
         height, width = size_hw if size_hw is not None else frames.shape[1:3]
         per_group = (height // patch_size) * (width // patch_size)
-        block = np.empty((per_group, frames.shape[3] * temporal_patch_size * patch_size * patch_size),
-                         dtype=np.uint8 if raw else np.float32)
+        dtype = np.dtype(np.uint8 if raw else np.float32)
+        direct = sink.array if isinstance(sink, RowArray) and sink.array.dtype == dtype else None
+        block = None if direct is not None else np.empty(
+            (per_group, frames.shape[3] * temporal_patch_size * patch_size * patch_size), dtype=dtype)
         written = 0
         for g, part in self._groups(frames, size_hw, resample, temporal_patch_size):
-            self._rows(part, patch_size, merge_size, temporal_patch_size, raw, block)
-            sink(g * per_group, block)
+            if direct is not None:
+                self._rows(part, patch_size, merge_size, temporal_patch_size, raw,
+                           direct[g * per_group:(g + 1) * per_group])
+            else:
+                assert block is not None
+                self._rows(part, patch_size, merge_size, temporal_patch_size, raw, block)
+                sink(g * per_group, block)
             written += per_group
         return written
 

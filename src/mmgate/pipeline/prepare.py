@@ -90,6 +90,7 @@ from mmgate.types import (
     SamplingParams,
     TensorLayout,
     TensorSpec,
+    shifted,
 )
 
 
@@ -497,12 +498,14 @@ class Pipeline:
                 def sink(row: int, block: np.ndarray) -> None:
                     for first in at:
                         put(first + row, block)
-                clip_writer.write_rows(*items[key], raw, sink)  # type: ignore[arg-type]
+                # one place: the writer may compute straight into the target (a RowArray stays one)
+                one_place = shifted(put, at[0]) if len(at) == 1 else sink
+                clip_writer.write_rows(*items[key], raw, one_place)  # type: ignore[arg-type]
 
         def stream(im: DecodedImage, pl: ItemPlan, first: int, band: tuple[int, int]) -> None:
             assert writer is not None
             with target.writer() as put:
-                writer.write_rows(im, pl, raw, lambda row, block: put(first + row, block), band)
+                writer.write_rows(im, pl, raw, shifted(put, first), band)
 
         def copy(share: np.ndarray | None, key: str, at: list[int]) -> np.ndarray:
             with target.writer() as put:

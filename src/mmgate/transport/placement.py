@@ -29,7 +29,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from mmgate.transport import shm
-from mmgate.types import RowWrite
+from mmgate.types import RowArray, RowWrite
 
 #: converts one float32/uint8 block to its wire representation (identity for float32 and uint8)
 Convert = Callable[[np.ndarray], np.ndarray]
@@ -56,6 +56,10 @@ def new_bytes(nbytes: int) -> tuple[bytes, np.ndarray]:
     return data, view
 
 
+#: the values' dtype by bytes per value, where the wire form is the values themselves (:func:`identity`)
+_IDENTITY_DTYPES: dict[int, np.dtype] = {4: np.dtype(np.float32), 1: np.dtype(np.uint8)}
+
+
 def identity(block: np.ndarray) -> np.ndarray:
     """The block as it is (float32 or uint8 on the wire)."""
     return block
@@ -67,12 +71,20 @@ class BufferTarget:
     def __init__(self, view: np.ndarray, width: int, itemsize: int, convert: Convert = identity,
                  owner: object = None) -> None:
         self._view = view
+        self._itemsize = itemsize
         self._row_bytes = width * itemsize
         self._convert = convert
         self._owner = owner  # keeps the memory behind ``view`` alive
 
     @contextmanager
     def writer(self) -> Iterator[RowWrite]:
+        """A writer of rows; with the identity conversion a :class:`~mmgate.types.RowArray` over the
+        view (float32 rows for 4-byte values, uint8 for 1-byte), so a row writer may compute into it."""
+        values = _IDENTITY_DTYPES.get(self._itemsize) if self._convert is identity else None
+        if values is not None and self._row_bytes and self._view.size % self._row_bytes == 0:
+            yield RowArray(self._view.view(values).reshape(-1, self._row_bytes // self._itemsize))
+            return
+
         def write(first_row: int, rows: np.ndarray) -> None:
             raw = np.ascontiguousarray(self._convert(rows)).reshape(-1).view(np.uint8)
             start = first_row * self._row_bytes
