@@ -74,7 +74,7 @@ def inline_fn(pixels: np.ndarray, p: int, m: int, t: int, normalizer: Any, nativ
 
     def run() -> bytes:
         data, view = new_bytes(rows * width * item)
-        target = BufferTarget(view, width, item, owner=data)
+        target = BufferTarget(view, width, item, owner=data, values=np.dtype(np.uint8 if item == 1 else np.float32))
         with target.writer() as put:
             sink = (lambda row, block: put(row, block)) if blocks else put
             write_rows(pixels, p, m, t, normalizer, sink, native=native)
@@ -102,7 +102,7 @@ def sink_cells() -> list[tuple[str, str, str, Fn, Fn]]:
 
 
 def processors() -> list[tuple[str, Any]]:
-    """(model label, its Qwen-VL image processor, torchvision backend) per model of :data:`MODELS`."""
+    """``(model label, Qwen-VL image processor)`` per model of :data:`MODELS` (torchvision backend)."""
     out = []
     for label, folder in MODELS.items():
         bundle = load_bundle(MODELS_DIR / folder)

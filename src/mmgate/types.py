@@ -340,36 +340,58 @@ class RowArray:
 
     ``array``: the destination rows ``[rows, width]`` themselves, in the values' dtype
     (float32 normalized, uint8 raw), C-contiguous and writable, at any byte address (the
-    payload of a serialized request is not float-aligned).  A row writer that can compute
-    into an array (``mmgate.models.patch_native.fill_rows``) writes
-    ``array[first:first + n]`` directly instead of handing over blocks, which saves the
-    copy of every block; calling it copies a block in, as any :data:`RowWrite` does.
-    A target offers one only where it stores the values unconverted in addressable memory
-    (``BufferTarget`` with the identity conversion).
+    payload of a serialized request is not float-aligned); ``owner`` keeps the memory
+    behind it alive.  A row writer that can compute into an array
+    (``mmgate.models.patch_native.fill_rows``) writes :meth:`rows` directly instead of
+    handing over blocks, which saves the copy of every block; calling it copies a block
+    in, as any :data:`RowWrite` does.  A target offers one only where it stores the values
+    unconverted in addressable memory (``BufferTarget`` given the values' dtype, with the
+    identity conversion).
     """
 
-    __slots__ = ("array", "_bytes")
+    __slots__ = ("array", "_bytes", "_owner")
 
-    def __init__(self, array: np.ndarray) -> None:
+    def __init__(self, array: np.ndarray, owner: object = None) -> None:
         if array.ndim != 2 or not array.flags.c_contiguous or not array.flags.writeable:
             raise ValueError(f"RowArray needs a writable C-contiguous [rows, width] array, got {array.shape}")
         self.array = array
         self._bytes = array.reshape(-1).view(np.uint8)  # byte copies: no unaligned float loop
+        self._owner = owner
 
     def __call__(self, first_row: int, rows: np.ndarray) -> None:
-        """Copy ``rows`` (``[b, width]``, the array's dtype) to rows ``first_row .. first_row + b``."""
+        """Copy ``rows`` (``[b, width]``, the array's dtype) to rows ``first_row .. first_row + b``.
+
+        Raises:
+            ValueError: another dtype or width, or rows outside the array.
+        """
         if rows.dtype != self.array.dtype or rows.ndim != 2 or rows.shape[1] != self.array.shape[1]:
             raise ValueError(f"rows {rows.dtype}{list(rows.shape)} do not fit "
                              f"{self.array.dtype}{list(self.array.shape)}")
-        if not 0 <= first_row <= len(self.array) - len(rows):
-            raise ValueError(f"rows [{first_row}, {first_row + len(rows)}) outside the {len(self.array)} rows")
         row_bytes = self.array.shape[1] * self.array.itemsize
-        self._bytes[first_row * row_bytes:(first_row + len(rows)) * row_bytes] = \
-            np.ascontiguousarray(rows).reshape(-1).view(np.uint8)
+        span = self._span(first_row, len(rows), row_bytes)
+        self._bytes[span] = np.ascontiguousarray(rows).reshape(-1).view(np.uint8)
+
+    def rows(self, first_row: int, count: int) -> np.ndarray:
+        """The destination rows ``first_row .. first_row + count`` (a view ``[count, width]``) to compute into.
+
+        Raises:
+            ValueError: rows outside the array (a plan and its writer that disagree on the row count).
+        """
+        return self.array[self._span(first_row, count, 1)]
 
     def shifted(self, first_row: int) -> RowArray:
-        """The rows from ``first_row`` on (row 0 of the result is row ``first_row`` of this one)."""
-        return RowArray(self.array[first_row:])
+        """The rows from ``first_row`` on (row 0 of the result is row ``first_row`` of this one).
+
+        Raises:
+            ValueError: ``first_row`` outside ``0 .. len(array)``.
+        """
+        self._span(first_row, 0, 1)
+        return RowArray(self.array[first_row:], self._owner)
+
+    def _span(self, first_row: int, count: int, scale: int) -> slice:
+        if not 0 <= first_row <= first_row + count <= len(self.array):
+            raise ValueError(f"rows [{first_row}, {first_row + count}) outside the {len(self.array)} rows")
+        return slice(first_row * scale, (first_row + count) * scale)
 
 
 def shifted(write: RowWrite, first_row: int) -> RowWrite:

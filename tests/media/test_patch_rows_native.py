@@ -156,11 +156,12 @@ def test_unaligned_destination(offset: int) -> None:
     assert out.flags.c_contiguous
     patch_native.fill_rows(image, 16, 2, 2, normalizer.lut if normalizer else None, out)
     assert np.array_equal(bits(out), bits(want))
-    data, view = new_bytes(want.nbytes + offset)
-    target = BufferTarget(view[offset:], want.shape[1], 4, owner=data)
-    with target.writer() as put:
-        write_rows(image, 16, 2, 2, normalizer, put)
-    assert data[offset:] == want.tobytes()
+    for values in (None, np.dtype(np.float32)):  # blocks copied in; rows computed in place (a RowArray)
+        data, view = new_bytes(want.nbytes + offset)
+        target = BufferTarget(view[offset:], want.shape[1], 4, owner=data, values=values)
+        with target.writer() as put:
+            write_rows(image, 16, 2, 2, normalizer, put)
+        assert data[offset:] == want.tobytes()
 
 
 def _ok_args() -> tuple[np.ndarray, np.ndarray, np.ndarray]:

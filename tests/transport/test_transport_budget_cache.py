@@ -451,12 +451,13 @@ def test_new_bytes_is_a_writable_bytes_object_owned_once() -> None:
 
 
 @pytest.mark.parametrize("dtype, convert, direct", [("float32", None, True), ("uint8", None, True),
-                                                     ("bfloat16", to_bfloat16_bits, False)])
+                                                     ("bfloat16", to_bfloat16_bits, False),
+                                                     ("float16", to_float16, False)])
 def test_request_bytes_offer_their_rows_in_place_only_without_a_conversion(dtype: str, convert, direct: bool) -> None:
     """``BufferTarget.writer``: float32 / uint8 values travel as they are, so the writer is a ``RowArray`` over the
     request bytes (at an odd byte offset: the payload follows the serialized head) that a row writer computes
-    into; a converting target (bfloat16) keeps copying converted blocks.  Either way the bytes are the values'
-    wire form (``to_bfloat16_bits``, checked against torch above)."""
+    into; a converting target (bfloat16, float16) keeps copying converted blocks.  Either way the bytes are the
+    values' wire form (``to_bfloat16_bits`` / ``to_float16``, checked against torch above)."""
     from mmgate.transport.placement import BufferTarget, new_bytes
     from mmgate.types import RowArray
 
@@ -465,14 +466,31 @@ def test_request_bytes_offer_their_rows_in_place_only_without_a_conversion(dtype
     wire = values if convert is None else convert(values)
     data, view = new_bytes(wire.nbytes + 5)
     view[:5] = 9
-    target = BufferTarget(view[5:], 10, wire.itemsize, *(() if convert is None else (convert,)), owner=data)
+    target = BufferTarget(view[5:], 10, wire.itemsize, *(() if convert is None else (convert,)), owner=data,
+                          values=values.dtype)
     with target.writer() as put:
         assert isinstance(put, RowArray) is direct
         if direct:
             assert put.array.dtype == values.dtype and put.array.shape == (6, 10)
-        put(4, values[4:])
-        put(0, values[:4])
+            put.rows(2, 2)[...] = values[2:4]  # computed in place
+            put(4, values[4:])
+            put(0, values[:2])
+        else:
+            put(4, values[4:])
+            put(0, values[:4])
     assert data[:5] == b"\x09" * 5 and data[5:] == wire.tobytes()
+
+
+def test_request_bytes_without_the_values_dtype_are_written_block_by_block() -> None:
+    """A target not told the values' dtype (or whose bytes do not divide into rows) never offers a RowArray."""
+    from mmgate.transport.placement import BufferTarget
+    from mmgate.types import RowArray
+
+    buf = np.zeros(6 * 10 * 4, dtype=np.uint8)
+    for target in (BufferTarget(buf, 10, 4), BufferTarget(buf[:-4], 10, 4, values=np.dtype(np.float32)),
+                   BufferTarget(buf, 10, 4, values=np.dtype(np.uint8))):
+        with target.writer() as put:
+            assert not isinstance(put, RowArray)
 
 
 def test_segment_write_failure_during_the_fill_falls_back_to_inline(worker: FakeWorker,

@@ -121,7 +121,8 @@ def test_bands_write_disjoint_row_ranges_that_cover_the_image(parts: int) -> Non
     assert np.array_equal(out.view(np.uint32), expected.view(np.uint32))
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["kernel", "numpy"])
+@pytest.mark.parametrize("native", [pytest.param(True, marks=pytest.mark.skipif(
+    not patch_native.NATIVE, reason="mmgate._native.patchrows is not built")), False], ids=["kernel", "numpy"])
 @pytest.mark.parametrize("offset", [0, 3])
 @pytest.mark.parametrize("parts", [1, 3])
 def test_rows_computed_in_place_into_a_row_array(native: bool, offset: int, parts: int,
@@ -177,6 +178,23 @@ def test_row_array_refuses_what_does_not_fit() -> None:
     with pytest.raises(ValueError, match="writable C-contiguous"):
         RowArray(read_only)
     assert shifted(sink, 3).array.shape == (1, 6)
+    assert shifted(sink, 4).array.shape == (0, 6)  # the end: a clip or image of no rows
+    for first in (5, -1):
+        with pytest.raises(ValueError, match="outside"):
+            shifted(sink, first)
+    assert np.shares_memory(sink.rows(1, 2), rows) and sink.rows(1, 2).shape == (2, 6)
+    for first, count in ((3, 2), (-1, 1), (2, -1)):
+        with pytest.raises(ValueError, match="outside"):
+            sink.rows(first, count)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["kernel", "numpy"])
+def test_a_row_array_one_row_short_is_refused_not_filled_in_part(native: bool) -> None:
+    """A plan and its writer that disagree on the rows: an error, never rows silently left unwritten."""
+    image = np.random.default_rng(8).integers(0, 256, (64, 32, 3), dtype=np.uint8)  # 8 rows
+    rows = np.zeros((7, 3 * 2 * 16 * 16), dtype=np.uint8)
+    with pytest.raises(ValueError, match="outside"):
+        write_rows(image, 16, 2, 2, None, RowArray(rows), native=native)
 
 
 def test_shifted_offsets_a_plain_writer() -> None:

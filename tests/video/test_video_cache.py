@@ -82,14 +82,17 @@ def test_a_clip_first_in_the_prompt_is_deferred_like_images(clips: dict[str, Pat
     from mmgate.transport.placement import BufferTarget
 
     pipe = pipeline(QWEN3)
+    assert pipe.cache is None  # no pixel cache: the clip's rows are written by its row writer into the target
     clip = clips["f20_vfr"]
-    deferred = run(pipe, clip, defer=True)
-    (batch,) = deferred.batches
-    pending = batch.tensors["pixel_values"]
-    assert isinstance(pending, PendingTensor)
-    values = np.empty(pending.shape, dtype=pending.dtype)
-    width = int(np.prod(pending.shape[1:]))
-    asyncio.run(pending.fill(BufferTarget(values.reshape(-1).view(np.uint8), width, values.itemsize, owner=values)))
     ref = reference(QWEN3, clip, video_kwargs=vllm_video_kwargs(QWEN3))
-    assert deferred.input_ids == tuple(ref.input_ids)
-    assert np.array_equal(values, ref.out["pixel_values_videos"])
+    for in_place in (True, False):  # rows computed in place (a RowArray), then copied in block by block
+        deferred = run(pipe, clip, defer=True)
+        (batch,) = deferred.batches
+        pending = batch.tensors["pixel_values"]
+        assert isinstance(pending, PendingTensor)
+        assert deferred.input_ids == tuple(ref.input_ids)
+        values = np.full(pending.shape, np.nan, dtype=pending.dtype)
+        width = int(np.prod(pending.shape[1:]))
+        asyncio.run(pending.fill(BufferTarget(values.reshape(-1).view(np.uint8), width, values.itemsize,
+                                              owner=values, values=pending.dtype if in_place else None)))
+        assert np.array_equal(values, ref.out["pixel_values_videos"])

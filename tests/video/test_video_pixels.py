@@ -77,6 +77,40 @@ def test_raw_rows_are_the_resized_frames_patchified() -> None:
     assert np.array_equal(proc(clip, (56, 84), geometry.RESAMPLE_BICUBIC, 14, 2, 2, raw=False), table)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["kernel", "numpy"])
+@pytest.mark.parametrize("offset", [0, 3])
+def test_clip_rows_written_in_place_into_a_row_array(native: bool, offset: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``write_rows`` into a :class:`RowArray` (the request bytes, at any byte address, after another item's
+    rows): each temporal patch written straight into its rows, the last one padded (5 frames, T = 2), the
+    reference's values; nothing outside the clip's rows touched; raw uint8 rows too."""
+    from mmgate.models import patch_native
+    from mmgate.types import RowArray, shifted
+
+    if not native:
+        monkeypatch.setattr(patch_native, "NATIVE", False)
+    proc = processor(ImageBackend.TORCHVISION)
+    clip = frames()
+    want = torch_reference(clip, (56, 84), 14, 2, 2)
+    raws = {False: want, True: proc(clip, (56, 84), geometry.RESAMPLE_BICUBIC, 14, 2, 2, raw=True)}
+    for raw, expected in raws.items():
+        first, width, item = 3, expected.shape[1], expected.itemsize
+        buf = np.full(offset + (first + len(expected) + 1) * width * item, 0xAB, dtype=np.uint8)
+        rows = buf[offset:].view(expected.dtype).reshape(-1, width)
+        sink = shifted(RowArray(rows), first)
+        sent: list[int] = []
+        monkeypatch.setattr(RowArray, "__call__", lambda self, row, block: sent.append(row))
+        assert proc.write_rows(clip, (56, 84), geometry.RESAMPLE_BICUBIC, 14, 2, 2, raw, sink) == len(expected)
+        assert sent == []  # no block handed over: every temporal patch computed in place
+        assert np.array_equal(rows[first:first + len(expected)].view(np.uint8), expected.view(np.uint8))
+        outside = np.concatenate([buf[:offset + first * width * item],
+                                  buf[offset + (first + len(expected)) * width * item:]])
+        assert (outside == 0xAB).all()
+        with pytest.raises(ValueError, match="outside"):  # a destination one row short
+            proc.write_rows(clip, (56, 84), geometry.RESAMPLE_BICUBIC, 14, 2, 2, raw,
+                            RowArray(rows[:first + len(expected) - 1]).shifted(first))
+
+
 def test_pillow_fallback_is_within_one_step_of_the_torch_kernel() -> None:
     clip = frames()
     a = processor(ImageBackend.TORCHVISION)(clip, (56, 84), geometry.RESAMPLE_BICUBIC, 14, 2, 2, raw=True)

@@ -88,5 +88,6 @@ def join_tail(head: bytes, tail: Tail | None, tags: Sequence[bytes],
     assert tail.pending is not None
     data, view = new_bytes(len(prefix) + tail.nbytes)
     view[:len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
-    target = BufferTarget(view[len(prefix):], tail.width, tail.itemsize, tail.convert, owner=data)
+    target = BufferTarget(view[len(prefix):], tail.width, tail.itemsize, tail.convert, owner=data,
+                          values=tail.pending.dtype)
     return EncodedRequest(data, (*targets, (tail.pending, target)))

@@ -177,7 +177,7 @@ async def materialize(req: PreparedRequest) -> PreparedRequest:
             if isinstance(tensor, PendingTensor):
                 array = np.empty(tensor.shape, dtype=tensor.dtype)
                 await tensor.fill(BufferTarget(array.reshape(-1).view(np.uint8), tensor.width,
-                                               tensor.dtype.itemsize, owner=array))
+                                               tensor.dtype.itemsize, owner=array, values=tensor.dtype))
                 tensors[name] = array
         batches.append(dataclasses.replace(batch, tensors=tensors))
     return dataclasses.replace(req, batches=tuple(batches))

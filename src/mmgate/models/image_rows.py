@@ -3,7 +3,8 @@
 Stage: preprocess (images).  In: resized uint8 ``[H, W, C]`` pixels; out: rows
 ``[gh*gw, C*T*p*p]`` (float32 normalized, uint8 raw, or a wire dtype) written
 block by block into a destination: an array, or a transport sink (a shared-memory
-segment, see :mod:`mmgate.transport.placement`), so the full-size float32 tensor
+segment, see :mod:`mmgate.transport.placement`), or computed straight into the
+request bytes (a :class:`~mmgate.types.RowArray`), so the full-size float32 tensor
 is written once and never copied.
 
 The values are the reference's (transformers 5.24 ``Qwen2VLImageProcessor``
@@ -44,7 +45,8 @@ from mmgate.types import RowArray
 #: rows per block: ``64 * C*T*p*p * 4`` bytes (393 KB for Qwen3-VL float32) stays in L2
 BLOCK_ROWS = 64
 
-#: ``sink(first_row, rows)``: receives each finished block ``[b, C*T*p*p]`` (a reused buffer: copy it)
+#: ``sink(first_row, rows)``: receives each finished block ``[b, C*T*p*p]`` (a reused buffer: copy it); a
+#: :class:`~mmgate.types.RowArray` sink gets the rows computed straight into it instead (no blocks)
 RowSink = Callable[[int, np.ndarray], None]
 
 
@@ -135,6 +137,13 @@ def write_rows(image: npt.NDArray[np.uint8], patch_size: int, merge_size: int, t
     in parallel; ``sink`` still receives image-wide row numbers.
 
     ``native`` False: the numpy path even where the compiled kernel is built (the same values).
+
+    A :class:`~mmgate.types.RowArray` ``sink`` of the rows' dtype: with the compiled kernel the band's
+    rows are computed straight into it (no blocks, ``block_rows`` unused); the numpy path still hands it
+    blocks.
+
+    Raises:
+        ValueError: a ``RowArray`` holding fewer rows than the band writes.
     """
     k, parts = band
     unit = patch_size * merge_size
@@ -174,16 +183,15 @@ def _write_rows_native(part: npt.NDArray[np.uint8], patch_size: int, merge_size:
     when ``sink`` is a :class:`~mmgate.types.RowArray` (the request bytes), else block by block into one
     reused buffer handed to ``sink``.
 
-    The direct write saves the copy of every block: 0.77 -> 0.50 ms for a 640x480 Qwen3-VL image
-    (7.4 MB) into a new request buffer, 7.0-7.7 -> 6.1-7.0 ms for 1280x960, one thread
-    (``benchmarks/patch_rows.py --sink``); into fresh pages (a new mapping per request) the two
-    measured alike, which is why the blocks were once the only path.
+    The direct write saves the copy of every block; docs/performance.md ("Rows computed in place")
+    has the measurements (``benchmarks/patch_rows.py --sink``, and end to end).
     """
     if isinstance(sink, RowArray) and sink.array.dtype == (np.uint8 if normalizer is None else np.float32):
         rows = patch_native.row_count(part.shape, patch_size, temporal_patch_size)
+        dest = sink.rows(offset, rows)  # raises where the destination holds fewer rows
         if rows:
             patch_native.fill_rows(part, patch_size, merge_size, temporal_patch_size,
-                                   None if normalizer is None else normalizer.lut, sink.array[offset:offset + rows])
+                                   None if normalizer is None else normalizer.lut, dest)
         return rows
     n = 0  # a band with no merged-patch row (more bands than rows) has none
     for start, block in patch_native.blocks(part, patch_size, merge_size, temporal_patch_size,

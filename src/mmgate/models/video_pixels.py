@@ -92,19 +92,19 @@ class FrameProcessor:
                    merge_size: int, temporal_patch_size: int, raw: bool, sink: RowSink) -> int:
         """:meth:`__call__`'s rows handed to ``sink(first_row, rows)`` one temporal patch at a time
         (one block of ``grid_h * grid_w`` rows, reused); returns the rows written.  A
-        :class:`~mmgate.types.RowArray` sink of the rows' dtype gets each temporal patch's rows computed
-        straight into it (no block copy)."""
+        :class:`~mmgate.types.RowArray` sink of the rows' dtype gets each temporal patch's rows written
+        straight into it (no block buffer, no block copy; ``ValueError`` where it holds too few rows)."""
         height, width = size_hw if size_hw is not None else frames.shape[1:3]
         per_group = (height // patch_size) * (width // patch_size)
         dtype = np.dtype(np.uint8 if raw else np.float32)
-        direct = sink.array if isinstance(sink, RowArray) and sink.array.dtype == dtype else None
+        direct = sink if isinstance(sink, RowArray) and sink.array.dtype == dtype else None
         block = None if direct is not None else np.empty(
             (per_group, frames.shape[3] * temporal_patch_size * patch_size * patch_size), dtype=dtype)
         written = 0
         for g, part in self._groups(frames, size_hw, resample, temporal_patch_size):
             if direct is not None:
-                self._rows(part, patch_size, merge_size, temporal_patch_size, raw,
-                           direct[g * per_group:(g + 1) * per_group])
+                dest = direct.rows(g * per_group, per_group)  # raises where the sink holds too few rows
+                self._rows(part, patch_size, merge_size, temporal_patch_size, raw, dest)
             else:
                 assert block is not None
                 self._rows(part, patch_size, merge_size, temporal_patch_size, raw, block)

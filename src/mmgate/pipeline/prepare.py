@@ -444,7 +444,8 @@ class Pipeline:
         if defer:
             return assemble(proc, plans, PendingTensor(shape=shape, dtype=dtype, fill=fill))
         values = np.empty(shape, dtype=dtype)
-        await fill(BufferTarget(values.reshape(-1).view(np.uint8), width, dtype.itemsize, owner=values))
+        await fill(BufferTarget(values.reshape(-1).view(np.uint8), width, dtype.itemsize, owner=values,
+                                values=dtype))
         return assemble(proc, plans, values)
 
     def _cached(self, key: str, proc: MediaProcessor) -> np.ndarray | None:
@@ -481,9 +482,11 @@ class Pipeline:
         ``[rows, width]`` view), in the pool.
 
         A cache hit is copied in; an image seen once with no cache, of a processor that writes
-        rows itself (:class:`~mmgate.models.family.RowWriter`), is computed block by block
-        straight into the target, a large one in horizontal bands on several pool threads;
-        otherwise its share is computed once, cached, and copied to each of its places.
+        rows itself (:class:`~mmgate.models.family.RowWriter`), is computed straight into the
+        target (block by block, or in place where the target is a
+        :class:`~mmgate.types.RowArray`), a large one in horizontal bands on several pool threads;
+        a clip likewise one temporal patch at a time; otherwise its share is computed once, cached,
+        and copied to each of its places.
         """
         loop = asyncio.get_running_loop()
         places: dict[str, list[int]] = {}

@@ -10,7 +10,9 @@ the whole tensor):
   ``pwrite`` per block through the task's own descriptor;
 * :class:`BufferTarget`: a writable byte range, here the payload of the
   serialized ``GenerateRequest`` (:func:`new_bytes`), so the request that
-  grpc sends is the buffer the rows were computed into.
+  grpc sends is the buffer the rows were computed into; where the values
+  travel unconverted its writer is a :class:`~mmgate.types.RowArray` and the
+  compiled row writers compute straight into the payload (no block copy).
 
 :func:`new_bytes` allocates a ``bytes`` object with uninitialized contents
 (CPython ``PyBytes_FromStringAndSize(NULL, n)``, the documented C-API way to
@@ -56,33 +58,37 @@ def new_bytes(nbytes: int) -> tuple[bytes, np.ndarray]:
     return data, view
 
 
-#: the values' dtype by bytes per value, where the wire form is the values themselves (:func:`identity`)
-_IDENTITY_DTYPES: dict[int, np.dtype] = {4: np.dtype(np.float32), 1: np.dtype(np.uint8)}
-
-
 def identity(block: np.ndarray) -> np.ndarray:
     """The block as it is (float32 or uint8 on the wire)."""
     return block
 
 
 class BufferTarget:
-    """Rows ``[rows, width]`` of ``itemsize``-byte values stored in a writable uint8 range ``view``."""
+    """Rows ``[rows, width]`` of ``itemsize``-byte values stored in a writable uint8 range ``view``.
+
+    ``values``: the values' dtype (float32 normalized, uint8 raw) where they travel as they are
+    (``convert`` is :func:`identity` and ``itemsize`` is the dtype's): :meth:`writer` then offers
+    the rows themselves to compute into.  ``owner`` keeps the memory behind ``view`` alive.
+    """
 
     def __init__(self, view: np.ndarray, width: int, itemsize: int, convert: Convert = identity,
-                 owner: object = None) -> None:
+                 owner: object = None, values: np.dtype | None = None) -> None:
         self._view = view
-        self._itemsize = itemsize
         self._row_bytes = width * itemsize
         self._convert = convert
-        self._owner = owner  # keeps the memory behind ``view`` alive
+        self._owner = owner
+        direct = (values is not None and convert is identity and np.dtype(values).itemsize == itemsize
+                  and self._row_bytes > 0 and view.size % self._row_bytes == 0)
+        self._values = np.dtype(values) if direct else None
 
     @contextmanager
     def writer(self) -> Iterator[RowWrite]:
-        """A writer of rows; with the identity conversion a :class:`~mmgate.types.RowArray` over the
-        view (float32 rows for 4-byte values, uint8 for 1-byte), so a row writer may compute into it."""
-        values = _IDENTITY_DTYPES.get(self._itemsize) if self._convert is identity else None
-        if values is not None and self._row_bytes and self._view.size % self._row_bytes == 0:
-            yield RowArray(self._view.view(values).reshape(-1, self._row_bytes // self._itemsize))
+        """A writer of rows: a :class:`~mmgate.types.RowArray` over the view (``[rows, width]`` of
+        ``values``) where the values travel unconverted, so a row writer may compute straight into it;
+        otherwise a function converting each block and copying it in."""
+        if self._values is not None:
+            yield RowArray(self._view.view(self._values).reshape(-1, self._row_bytes // self._values.itemsize),
+                           owner=self._owner)
             return
 
         def write(first_row: int, rows: np.ndarray) -> None:
