@@ -393,6 +393,8 @@ class TransportSettings:
     max_inflight_bytes: int | None = None  # None: unbounded
     budget_wait_s: float = 2.0  # how long a request waits for room before 429
     pixel_cache_bytes: int = 0  # 0: off
+    #: a request at least this large has its pages given back once grpc has copied it for sending (0: never)
+    release_sent_min_bytes: int = 32 * 1024 * 1024
     #: TokenSpeed workers: (modality, encoder dtype) pairs from SMG's environment overrides
     #: (:func:`tokenspeed_encoder_dtypes`), ahead of ``encoder_dtype`` and the worker's label
     tokenspeed_encoder_dtypes: tuple[tuple[str, str], ...] = ()
@@ -444,6 +446,7 @@ def _transport_settings(ns: argparse.Namespace, environ: Mapping[str, str]) -> T
                              shm_min_bytes=ns.multimodal_shm_min_bytes, encoder_dtype=ns.multimodal_encoder_dtype,
                              max_inflight_bytes=ns.multimodal_max_inflight_bytes,
                              pixel_cache_bytes=int(ns.mm_pixel_cache_mb * 1024 * 1024),
+                             release_sent_min_bytes=ns.multimodal_release_sent_min_bytes,
                              tokenspeed_encoder_dtypes=tokenspeed)
 
 
@@ -655,6 +658,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(g, "--multimodal-encoder-dtype", choices=["auto", *ENCODER_DTYPES], default="auto",
                env=(ENV_ENCODER_DTYPE, ENV_VLLM_ENCODER_DTYPE),
                help="wire dtype of float encoder inputs; auto: the worker's multimodal_encoder_dtype label, else float32")
+    add_option(g, "--multimodal-release-sent-min-bytes", type=int, default=32 * 1024 * 1024, minimum=0,
+               help="a serialized engine request at least this large gives its pages back to the system once "
+                    "grpc has copied it for sending, so it is not held twice while it travels (0: never)")
     add_option(g, "--multimodal-max-inflight-bytes", type=int, default=None, minimum=1,
                help="bound on preprocessed bytes held for engines: 429 past it, 413 above it (unset: unbounded)")
     add_option(g, "--mm-pixel-cache-mb", type=float, default=0.0, minimum=0, env=(ENV_PIXEL_CACHE_MB,),

@@ -154,6 +154,9 @@ class EncodedRequest:
 
     data: bytes
     pending: tuple[tuple[PendingTensor, RowTarget], ...] = ()
+    #: non-empty once ``data``'s pages were given back after sending (``WorkerClient.generate``): it reads
+    #: as zeros and may not be sent again
+    released: list[bool] = field(default_factory=list, compare=False, repr=False)
 
     async def fill(self) -> None:
         for tensor, target in self.pending:

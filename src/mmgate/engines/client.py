@@ -23,6 +23,7 @@ out while a request is in flight counts as "busy" (:mod:`mmgate.routing.workers`
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from grpc._cython import cygrpc
 from smg_grpc_proto.generated import common_pb2
 
 from mmgate.engines.adapter import WireAdapter, adapter_for
@@ -48,6 +50,7 @@ from mmgate.engines.rpc_errors import map_rpc_error
 from mmgate.errors import ErrorCode, GatewayError
 from mmgate.config.settings import KeepaliveSettings
 from mmgate.transport.limits import GRPC_MAX_MESSAGE_BYTES
+from mmgate.transport.placement import release_pages
 
 log = logging.getLogger("mmgate.engines")
 
@@ -115,16 +118,50 @@ class _NotThisService(Exception):
     """The worker answered UNIMPLEMENTED: it serves another engine service."""
 
 
+#: whether grpc-python sends the caller's bytes themselves instead of a copy (its ``python_zero_copy``
+#: experiment, newer than grpcio 1.85): then they must stay intact until the call ends, and nothing is released
+GRPC_SENDS_THE_CALLERS_BYTES = bool(getattr(cygrpc, "python_zero_copy_enabled", lambda: False)())
+
+
+class _ReleaseAfterCopy:
+    """A serialized request whose pages are given back once grpc-python has copied it for sending.
+
+    grpc-python (1.60-1.85, ``grpc/aio/_call.py`` ``UnaryStreamCall._send_unary_request``) calls the
+    request serializer, then, in the same step of its send task and before that task first waits,
+    copies the bytes into its own slice (``_cygrpc/aio/callback_common.pyx.pxi`` ``execute_batch``:
+    ``_BatchOperationTag.prepare`` -> ``SendMessageOperation.c`` -> ``grpc_slice_from_copied_buffer``)
+    and starts the batch.  A callback scheduled from the serializer (``call_soon``) therefore runs
+    after the copy; it releases the caller's pages (:func:`~mmgate.transport.placement.release_pages`),
+    so a large request is held once, not twice, while it travels.  Shown on real gRPC by
+    ``tests/engines/test_client_memory.py`` (the worker receives every byte; the caller's copy reads
+    zeros afterwards).
+    """
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    @staticmethod
+    def serialize(request: _ReleaseAfterCopy) -> bytes:
+        asyncio.get_running_loop().call_soon(release_pages, request.data)
+        return request.data
+
+
 class WorkerClient:
     """An async client for one worker at ``host:port`` (created on the serving event loop); its channel pings
     the worker as ``keepalive`` says (:func:`channel_options`)."""
 
-    def __init__(self, target: str, keepalive: KeepaliveSettings = DEFAULT_KEEPALIVE) -> None:
+    def __init__(self, target: str, keepalive: KeepaliveSettings = DEFAULT_KEEPALIVE,
+                 release_sent_min_bytes: int = 0) -> None:
         self.target = target
         self.wire: Wire | None = None  # detected by the first probe that reaches the worker
         self.last_answer = 0.0  # time.monotonic() of the last message any RPC got back; 0.0: none yet
+        #: a Generate request at least this large gives its pages back once grpc has copied it (0: never)
+        self.release_sent_min_bytes = release_sent_min_bytes if not GRPC_SENDS_THE_CALLERS_BYTES else 0
         self._channel = grpc.aio.insecure_channel(target, options=channel_options(keepalive))
         self._methods: dict[tuple[str, bool], Any] = {}
+        self._releasing: dict[str, Any] = {}  # method -> its streaming callable with the releasing serializer
         self._warned = False
 
     @property
@@ -244,8 +281,13 @@ class WorkerClient:
         server = await self._call(svc, "GetServerInfo", timeout_s)
         return svc.read(model, server)
 
-    def _stream(self, adapter: WireAdapter, role: Role) -> Any:
+    def _stream(self, adapter: WireAdapter, role: Role, release: bool = False) -> Any:
         method, parse = adapter.rpc(role)
+        if release:
+            if method not in self._releasing:
+                self._releasing[method] = self._channel.unary_stream(
+                    method, request_serializer=_ReleaseAfterCopy.serialize, response_deserializer=parse)
+            return self._releasing[method]
         key = (method, True)
         if key not in self._methods:
             self._methods[key] = self._channel.unary_stream(method, request_serializer=None,
@@ -284,14 +326,25 @@ class WorkerClient:
         completion as a whole one.  (vLLM's and SMG's HTTP servers pass ``abort`` on as a finish reason;
         SGLang's tokenizer and gRPC request managers raise on a scheduler's abort.)
 
+        A request of at least ``release_sent_min_bytes`` (``--multimodal-release-sent-min-bytes``) gives its
+        pages back once grpc has copied it for sending (:class:`_ReleaseAfterCopy`): its ``data`` then
+        reads as zeros and the request cannot be sent again.
+
         Raises:
             GatewayError: the call's failure, mapped by the wire's adapter; ``engine_unavailable`` for an
-                engine abort.
+                engine abort; ``internal_error`` for a request whose bytes were released by an earlier send.
         """
         adapter = self.adapter
         if adapter is None:
             raise GatewayError(ErrorCode.NO_HEALTHY_WORKER, f"no engine adapter for worker {self.target}")
-        call = self._stream(adapter, role)(request.data, timeout=timeout_s)
+        if request.released:
+            raise GatewayError(ErrorCode.INTERNAL_ERROR, "a request whose bytes were released after sending "
+                                                         "cannot be sent again")
+        if self.release_sent_min_bytes and len(request.data) >= self.release_sent_min_bytes:
+            request.released.append(True)
+            call = self._stream(adapter, role, release=True)(_ReleaseAfterCopy(request.data), timeout=timeout_s)
+        else:
+            call = self._stream(adapter, role)(request.data, timeout=timeout_s)
         try:
             # ``read()``, not ``async for``: grpc.aio's iterator is an async generator that refers back to its call
             # (``_StreamResponseMixin.__aiter__``), a cycle that keeps the call, and the request bytes it holds,

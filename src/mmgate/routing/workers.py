@@ -318,7 +318,7 @@ class WorkerRegistry:
                  prefill: Iterable[tuple[str, int | None]] = (), decode: Iterable[str] = (),
                  encode: Iterable[tuple[str, int | None]] = (),
                  keepalive: KeepaliveSettings = DEFAULT_KEEPALIVE, admit: Admit | None = None,
-                 routing: RoutingSettings | None = None) -> None:
+                 routing: RoutingSettings | None = None, release_sent_min_bytes: int = 0) -> None:
         self._pool = [Worker(url=u, target=parse_worker_url(u)) for u in urls]
         self._pool += [Worker(url=u, target=parse_worker_url(u), assigned_role=Role.PREFILL, bootstrap_port=port)
                        for u, port in prefill]
@@ -327,6 +327,7 @@ class WorkerRegistry:
                        for u, port in encode]
         self.policy = policy or HealthPolicy()
         self.keepalive = keepalive  # of every worker's channel (--engine-keepalive-*)
+        self.release_sent_min_bytes = release_sent_min_bytes  # of every worker's client (--multimodal-release-*)
         self.admit = admit
         if admit is None:
             for w in self._pool:
@@ -353,6 +354,7 @@ class WorkerRegistry:
         sharing this registry's workers and policy."""
         other = object.__new__(WorkerRegistry)
         other._pool, other.policy, other.keepalive, other.admit = self._pool, self.policy, self.keepalive, self.admit
+        other.release_sent_min_bytes = self.release_sent_min_bytes
         other._root, other._model, other._task, other._closing = False, model, None, self._closing
         other._admissions = self._admissions
         other.routing, other.policies, other.monitor = self.routing, self.policies, self.monitor
@@ -412,7 +414,8 @@ class WorkerRegistry:
                                                       timeout_s=settings.worker_health_timeout_s,
                                                       unhealthy_after=settings.worker_unhealthy_after),
                    prefill=settings.prefill_workers, decode=settings.decode_workers, encode=settings.encode_workers,
-                   keepalive=settings.engine_keepalive, admit=admit, routing=settings.routing)
+                   keepalive=settings.engine_keepalive, admit=admit, routing=settings.routing,
+                   release_sent_min_bytes=settings.transport.release_sent_min_bytes)
 
     @property
     def health_interval_s(self) -> float:
@@ -455,7 +458,7 @@ class WorkerRegistry:
 
     async def _probe(self, worker: Worker, wait: bool = True) -> None:
         if worker.client is None:
-            worker.client = WorkerClient(worker.target, self.keepalive)
+            worker.client = WorkerClient(worker.target, self.keepalive, self.release_sent_min_bytes)
         was = worker.healthy
         probe = await worker.client.probe(self.policy.timeout_s)
         now = time.monotonic()

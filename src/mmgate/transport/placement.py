@@ -25,8 +25,10 @@ to anyone (never hashed, never shared while being written).
 from __future__ import annotations
 
 import ctypes
+import mmap
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 
@@ -56,6 +58,40 @@ def new_bytes(nbytes: int) -> tuple[bytes, np.ndarray]:
     address = _PyBytes_AsString(data)
     view = np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(address))
     return data, view
+
+
+_MADV_DONTNEED = 4  # linux/mman.h
+_PAGE = mmap.PAGESIZE
+_madvise: Any = None  # no madvise in this C library: nothing is released
+try:
+    _madvise = ctypes.CDLL(None, use_errno=True).madvise
+    _madvise.restype = ctypes.c_int
+    _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+except (OSError, AttributeError):
+    pass
+
+
+def release_pages(data: bytes) -> int:
+    """Give the memory pages wholly inside ``data``'s buffer back to the system (``madvise(MADV_DONTNEED)``).
+
+    For a bytes object nobody reads again (a request grpc has already copied for sending,
+    :meth:`mmgate.engines.client.WorkerClient.generate`): its contents then read as zeros (private
+    anonymous memory), while the object stays valid and is freed as usual.  The first 64 bytes and the
+    partial pages at both ends, where an allocator keeps its chunk headers, are left alone.  A buffer at
+    least glibc's largest mmap threshold (32 MiB) is a mapping of its own, so the release costs no page
+    faults later; a smaller one may be heap memory whose pages fault in again when reused.
+
+    Returns:
+        The bytes released (0 where ``madvise`` is unavailable or fails).
+    """
+    if _madvise is None or not data:
+        return 0
+    address = _PyBytes_AsString(data)
+    start = -(-(address + 64) // _PAGE) * _PAGE
+    end = (address + len(data)) // _PAGE * _PAGE
+    if end <= start or _madvise(start, end - start, _MADV_DONTNEED) != 0:
+        return 0
+    return end - start
 
 
 def identity(block: np.ndarray) -> np.ndarray:
