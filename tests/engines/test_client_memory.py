@@ -85,14 +85,14 @@ def _random_request(nbytes: int) -> tuple[bytes, np.ndarray]:
     return data, values
 
 
-@pytest.mark.parametrize("min_bytes", [32 << 20, 0], ids=["released", "kept"])
+@pytest.mark.parametrize("min_bytes", [32 << 20, 0, 64 << 20], ids=["released", "kept", "kept-below"])
 def test_a_large_request_is_sent_whole_and_its_pages_given_back_after_grpc_copied_it(worker: FakeWorker,
                                                                                       min_bytes: int) -> None:
     """``--multimodal-release-sent-min-bytes``: a 40 MiB request (a mapping of its own) reaches the worker byte
     for byte although its pages are given back as soon as grpc-python has copied it (the release runs after
     the copy: were grpc to send from the caller's buffer, or to copy it later, the worker would receive zeros
     and this test would fail); the caller's bytes read as zeros afterwards, and the request cannot be sent
-    again.  With 0, nothing is released."""
+    again.  With 0, or a threshold above the request's size, nothing is released."""
     data, values = _random_request(40 << 20)
     digest = hashlib.sha256(data).digest()
 
@@ -103,7 +103,7 @@ def test_a_large_request_is_sent_whole_and_its_pages_given_back_after_grpc_copie
             request = EncodedRequest(data)
             finishes = [event.prompt_tokens for event in [e async for e in client.generate(request, Role.SINGLE)]
                         if event.is_complete]
-            if min_bytes:
+            if min_bytes and len(data) >= min_bytes:
                 with pytest.raises(GatewayError) as refused:
                     async for _event in client.generate(request, Role.SINGLE):
                         pass
@@ -115,7 +115,7 @@ def test_a_large_request_is_sent_whole_and_its_pages_given_back_after_grpc_copie
     assert asyncio.run(scenario()) == [3]
     (got,) = worker.state.received
     assert np.array_equal(got.tensors["pixel_values"], values)  # every byte arrived
-    if min_bytes:
+    if min_bytes and len(data) >= min_bytes:
         assert not np.frombuffer(data, dtype=np.uint8)[2 * mmap.PAGESIZE:-2 * mmap.PAGESIZE].any()
     else:
         assert hashlib.sha256(data).digest() == digest
@@ -162,3 +162,28 @@ def test_the_release_threshold_reaches_every_worker_client(worker: FakeWorker, a
                     await w.client.close()
 
     assert asyncio.run(scenario()) == [expected, expected]
+
+
+def test_the_release_is_on_only_for_grpc_versions_that_copy_before_sending(monkeypatch: pytest.MonkeyPatch,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """The installed grpcio's send path was read and the test above shows it copies first; another version
+    (upstream grpc after 1.85 adds a zero-copy send) turns the release off, with one warning."""
+    import grpc
+
+    from mmgate.engines import client as client_module
+
+    check = client_module._grpc_copies_before_sending
+    assert check(grpc.__version__) is client_module._RELEASE_SAFE
+    assert check("1.85.4") and check("1.60.0")
+    assert not check("1.86.0") and not check("1.59.2") and not check("2.0.0") and not check("dev")
+    monkeypatch.setattr(client_module, "_RELEASE_SAFE", False)
+    client_module._warn_release_off.cache_clear()
+
+    async def made() -> int:
+        client = WorkerClient("127.0.0.1:1", release_sent_min_bytes=32 << 20)
+        await client.close()
+        return client.release_sent_min_bytes
+
+    with caplog.at_level("WARNING", logger="mmgate.engines"):
+        assert asyncio.run(made()) == 0
+    assert "--multimodal-release-sent-min-bytes is off" in caplog.text

@@ -659,8 +659,9 @@ def build_parser() -> argparse.ArgumentParser:
                env=(ENV_ENCODER_DTYPE, ENV_VLLM_ENCODER_DTYPE),
                help="wire dtype of float encoder inputs; auto: the worker's multimodal_encoder_dtype label, else float32")
     add_option(g, "--multimodal-release-sent-min-bytes", type=int, default=32 * 1024 * 1024, minimum=0,
-               help="a serialized engine request at least this large gives its pages back to the system once "
-                    "grpc has copied it for sending, so it is not held twice while it travels (0: never)")
+               help="a serialized Generate request at least this large gives its pages back to the system once "
+                    "grpc has copied it for sending, so it is not held twice while it travels (0: never; only on "
+                    "grpcio versions verified to copy first)")
     add_option(g, "--multimodal-max-inflight-bytes", type=int, default=None, minimum=1,
                help="bound on preprocessed bytes held for engines: 429 past it, 413 above it (unset: unbounded)")
     add_option(g, "--mm-pixel-cache-mb", type=float, default=0.0, minimum=0, env=(ENV_PIXEL_CACHE_MB,),

@@ -154,8 +154,8 @@ class EncodedRequest:
 
     data: bytes
     pending: tuple[tuple[PendingTensor, RowTarget], ...] = ()
-    #: non-empty once ``data``'s pages were given back after sending (``WorkerClient.generate``): it reads
-    #: as zeros and may not be sent again
+    #: non-empty once ``WorkerClient.generate`` has sent ``data`` with its pages to be given back after grpc's
+    #: copy (the whole pages inside it then read as zeros): it may not be sent again
     released: list[bool] = field(default_factory=list, compare=False, repr=False)
 
     async def fill(self) -> None:

@@ -24,6 +24,7 @@ out while a request is in flight counts as "busy" (:mod:`mmgate.routing.workers`
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncGenerator
@@ -118,9 +119,35 @@ class _NotThisService(Exception):
     """The worker answered UNIMPLEMENTED: it serves another engine service."""
 
 
-#: whether grpc-python sends the caller's bytes themselves instead of a copy (its ``python_zero_copy``
-#: experiment, newer than grpcio 1.85): then they must stay intact until the call ends, and nothing is released
-GRPC_SENDS_THE_CALLERS_BYTES = bool(getattr(cygrpc, "python_zero_copy_enabled", lambda: False)())
+#: grpcio versions whose aio send path was read and is shown (tests/engines/test_client_memory.py) to copy the
+#: serialized request before its send task first waits: a release after that copy is safe only there
+RELEASE_VERIFIED_GRPC = ((1, 60), (1, 85))
+
+
+def _grpc_copies_before_sending(version: str = grpc.__version__) -> bool:
+    """Whether this grpcio copies the request into its own slice before the send task first waits.
+
+    True only for the versions of :data:`RELEASE_VERIFIED_GRPC` without grpc's ``python_zero_copy``
+    experiment switched on (upstream grpc after 1.85 adds it: ``SendMessageOperation.c`` then
+    references the caller's bytes instead of copying them, and releasing them would send zeros).
+    """
+    try:
+        major_minor = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return False
+    low, high = RELEASE_VERIFIED_GRPC
+    zero_copy = getattr(cygrpc, "python_zero_copy_enabled", None)
+    return low <= major_minor <= high and not (zero_copy is not None and zero_copy())
+
+
+_RELEASE_SAFE = _grpc_copies_before_sending()
+
+
+@functools.cache
+def _warn_release_off() -> None:
+    log.warning("grpcio %s is not one whose send path copies the request first (verified: %s.%s to %s.%s): "
+                   "--multimodal-release-sent-min-bytes is off", grpc.__version__, *RELEASE_VERIFIED_GRPC[0],
+                   *RELEASE_VERIFIED_GRPC[1])
 
 
 class _ReleaseAfterCopy:
@@ -158,7 +185,9 @@ class WorkerClient:
         self.wire: Wire | None = None  # detected by the first probe that reaches the worker
         self.last_answer = 0.0  # time.monotonic() of the last message any RPC got back; 0.0: none yet
         #: a Generate request at least this large gives its pages back once grpc has copied it (0: never)
-        self.release_sent_min_bytes = release_sent_min_bytes if not GRPC_SENDS_THE_CALLERS_BYTES else 0
+        self.release_sent_min_bytes = release_sent_min_bytes if release_sent_min_bytes and _RELEASE_SAFE else 0
+        if release_sent_min_bytes and not _RELEASE_SAFE:
+            _warn_release_off()
         self._channel = grpc.aio.insecure_channel(target, options=channel_options(keepalive))
         self._methods: dict[tuple[str, bool], Any] = {}
         self._releasing: dict[str, Any] = {}  # method -> its streaming callable with the releasing serializer
@@ -327,8 +356,9 @@ class WorkerClient:
         SGLang's tokenizer and gRPC request managers raise on a scheduler's abort.)
 
         A request of at least ``release_sent_min_bytes`` (``--multimodal-release-sent-min-bytes``) gives its
-        pages back once grpc has copied it for sending (:class:`_ReleaseAfterCopy`): its ``data`` then
-        reads as zeros and the request cannot be sent again.
+        pages back once grpc has copied it for sending (:class:`_ReleaseAfterCopy`; only on the grpcio
+        versions of :data:`RELEASE_VERIFIED_GRPC`): the whole pages inside its ``data`` then read as zeros,
+        and the request cannot be sent again.
 
         Raises:
             GatewayError: the call's failure, mapped by the wire's adapter; ``engine_unavailable`` for an
@@ -341,8 +371,8 @@ class WorkerClient:
             raise GatewayError(ErrorCode.INTERNAL_ERROR, "a request whose bytes were released after sending "
                                                          "cannot be sent again")
         if self.release_sent_min_bytes and len(request.data) >= self.release_sent_min_bytes:
-            request.released.append(True)
             call = self._stream(adapter, role, release=True)(_ReleaseAfterCopy(request.data), timeout=timeout_s)
+            request.released.append(True)  # the send task releases the pages once grpc has copied them
         else:
             call = self._stream(adapter, role)(request.data, timeout=timeout_s)
         try:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -75,16 +76,18 @@ def release_pages(data: bytes) -> int:
     """Give the memory pages wholly inside ``data``'s buffer back to the system (``madvise(MADV_DONTNEED)``).
 
     For a bytes object nobody reads again (a request grpc has already copied for sending,
-    :meth:`mmgate.engines.client.WorkerClient.generate`): its contents then read as zeros (private
-    anonymous memory), while the object stays valid and is freed as usual.  The first 64 bytes and the
-    partial pages at both ends, where an allocator keeps its chunk headers, are left alone.  A buffer at
-    least glibc's largest mmap threshold (32 MiB) is a mapping of its own, so the release costs no page
-    faults later; a smaller one may be heap memory whose pages fault in again when reused.
+    :meth:`mmgate.engines.client.WorkerClient.generate`): the whole pages inside it then read as zeros
+    (private anonymous memory on Linux), while the object stays valid and is freed as usual.  Only whole
+    pages from 64 bytes past the start are released: the object's header and the allocator's chunk
+    headers (before the buffer, after its end) are never touched.  A buffer of at least glibc's largest
+    mmap threshold (32 MiB) is usually a mapping of its own (unless a free heap chunk served it), so the
+    release costs no page faults later; a smaller one is heap memory whose pages fault in again when
+    reused.
 
     Returns:
-        The bytes released (0 where ``madvise`` is unavailable or fails).
+        The bytes released (0 off Linux, where ``madvise`` is unavailable, or where it fails).
     """
-    if _madvise is None or not data:
+    if _madvise is None or not data or not sys.platform.startswith("linux"):
         return 0
     address = _PyBytes_AsString(data)
     start = -(-(address + 64) // _PAGE) * _PAGE
