@@ -146,8 +146,8 @@ _RELEASE_SAFE = _grpc_copies_before_sending()
 @functools.cache
 def _warn_release_off() -> None:
     log.warning("grpcio %s is not one whose send path copies the request first (verified: %s.%s to %s.%s): "
-                   "--multimodal-release-sent-min-bytes is off", grpc.__version__, *RELEASE_VERIFIED_GRPC[0],
-                   *RELEASE_VERIFIED_GRPC[1])
+                "--multimodal-release-sent-min-bytes is off", grpc.__version__, *RELEASE_VERIFIED_GRPC[0],
+                *RELEASE_VERIFIED_GRPC[1])
 
 
 class _ReleaseAfterCopy:

@@ -183,8 +183,8 @@ def _write_rows_native(part: npt.NDArray[np.uint8], patch_size: int, merge_size:
     when ``sink`` is a :class:`~mmgate.types.RowArray` (the request bytes), else block by block into one
     reused buffer handed to ``sink``.
 
-    The direct write saves the copy of every block; docs/performance.md ("Rows computed in place")
-    has the measurements (``benchmarks/patch_rows.py --sink``, and end to end).
+    The direct write saves the copy of every block; docs/performance.md ("rows computed in place, large
+    requests held once") has the measurements (``benchmarks/patch_rows.py --sink``, and end to end).
     """
     if isinstance(sink, RowArray) and sink.array.dtype == (np.uint8 if normalizer is None else np.float32):
         rows = patch_native.row_count(part.shape, patch_size, temporal_patch_size)
