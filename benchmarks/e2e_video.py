@@ -36,10 +36,10 @@ from typing import Any
 import httpx
 from bench_report import MODELS_DIR, REPO_ROOT, environment, median, quantile, render_table, write_json
 from e2e_gateway import DEFAULT_MODEL, WorkerLog, run_load
-from gateway_procs import RssSampler, _tree_pids, machine_busy, start_null_worker, start_smg, tree_cpu, tree_kb
+from gateway_procs import RssSampler, machine_busy, start_null_worker, start_smg, tree_cpu, tree_kb
 from video import make_clip
 
-from mmgate.cli.launch import Child, start_gateway
+from mmgate.cli.launch import Child, start_gateway, tree_pids
 
 BENCH_OUT = REPO_ROOT / "bench-out"
 #: name -> (seconds, fps, width, height, x264 options): the clip of issue 26
@@ -67,7 +67,7 @@ def tree_cpu_all(pid: int) -> float:
     ``cstime``): smg decodes each clip in an ``ffmpeg`` child process, whose time would otherwise
     vanish from the tree when it exits between two readings."""
     total = tree_cpu(pid)[0]
-    for p in _tree_pids(pid):
+    for p in tree_pids(pid):
         try:
             with open(f"/proc/{p}/stat") as f:
                 fields = f.read().rpartition(")")[2].split()

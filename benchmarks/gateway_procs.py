@@ -19,7 +19,7 @@ import httpx
 
 from bench_report import REPO_ROOT
 
-from mmgate.cli.launch import Child, free_port, wait_grpc_health
+from mmgate.cli.launch import Child, free_port, tree_pids, wait_grpc_health
 
 
 def _spawn(name: str, argv: Sequence[str], port: int, log_dir: Path, env: dict[str, str] | None = None) -> Child:
@@ -79,20 +79,6 @@ def start_smg(smg_bin: Path, bundle: Path, worker_port: int | Sequence[int], tra
     raise RuntimeError(f"smg did not become ready in {timeout_s}s:\n{child.log_tail()}")
 
 
-def _tree_pids(pid: int) -> list[int]:
-    pids, stack = [], [pid]
-    while stack:
-        p = stack.pop()
-        pids.append(p)
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    stack.extend(int(c) for c in f.read().split())
-        except OSError:
-            continue
-    return pids
-
-
 def _status_kb(pid: int, key: str) -> int:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -106,7 +92,7 @@ def _status_kb(pid: int, key: str) -> int:
 
 def tree_kb(pid: int, key: str) -> int:
     """Sum of ``key`` (VmRSS, VmHWM) in kB over ``pid`` and its descendants."""
-    return sum(_status_kb(p, key) for p in _tree_pids(pid))
+    return sum(_status_kb(p, key) for p in tree_pids(pid))
 
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -115,7 +101,7 @@ _TICK = os.sysconf("SC_CLK_TCK")
 def tree_cpu(pid: int) -> tuple[float, int]:
     """(CPU seconds user+system, minor page faults) over ``pid`` and its descendants (``/proc/<pid>/stat``)."""
     cpu, faults = 0.0, 0
-    for p in _tree_pids(pid):
+    for p in tree_pids(pid):
         try:
             with open(f"/proc/{p}/stat") as f:
                 fields = f.read().rpartition(")")[2].split()

@@ -52,9 +52,9 @@ from bench_report import (
     write_json,
 )
 from e2e_gateway import DEFAULT_MODEL, chat_body, run_load
-from gateway_procs import _tree_pids, machine_busy, start_null_worker, start_smg, tree_cpu
+from gateway_procs import machine_busy, start_null_worker, start_smg, tree_cpu
 
-from mmgate.cli.launch import Child, start_gateway
+from mmgate.cli.launch import Child, start_gateway, tree_pids
 
 BENCH_OUT = REPO_ROOT / "bench-out"
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -68,7 +68,7 @@ def thread_cpu(pid: int) -> dict[str, float]:
     preprocessing pool, the trimmer).
     """
     out = {"loop": 0.0, "grpc": 0.0, "pool": 0.0}
-    for p in _tree_pids(pid):
+    for p in tree_pids(pid):
         try:
             tasks = os.listdir(f"/proc/{p}/task")
             with open(f"/proc/{p}/comm") as f:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import time
 
+from mmgate.cli import launch
 from mmgate.transport.shm import PREFIX, SHM_DIR, pid_alive
 
 #: creator pids seen alive outside this process's tree (this process's lifetime)
@@ -21,22 +22,8 @@ _FOREIGN: set[int] = set()
 
 
 def tree_pids(root: int | None = None) -> set[int]:
-    """``root`` (default: this process) and every live descendant of it (``/proc/<pid>/task/*/children``,
-    as ``benchmarks/gateway_procs.py`` walks a gateway's tree)."""
-    seen: set[int] = set()
-    todo = [os.getpid() if root is None else root]
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        try:
-            for task in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{task}/children") as fh:
-                    todo.extend(int(c) for c in fh.read().split())
-        except OSError:
-            continue
-    return seen
+    """``root`` (default: this process) and every live descendant of it (:func:`mmgate.cli.launch.tree_pids`)."""
+    return launch.tree_pids(os.getpid() if root is None else root)
 
 
 def own_segments(directory: str = SHM_DIR) -> set[str]:

@@ -27,6 +27,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def tree_pids(root: int) -> set[int]:
+    """``root`` and every live descendant of it (Linux: ``/proc/<pid>/task/*/children``); a process
+    that exits while it is read is left out.  Used by the tests' shared-memory scope and the
+    benchmarks' per-tree CPU and RSS readings."""
+    seen: set[int] = set()
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/children") as fh:
+                    todo.extend(int(c) for c in fh.read().split())
+        except OSError:
+            continue
+    return seen
+
+
 @dataclass
 class Child:
     """A started child process and where it listens."""
