@@ -457,13 +457,16 @@ def test_request_bytes_offer_their_rows_in_place_only_without_a_conversion(dtype
     """``BufferTarget.writer``: float32 / uint8 values travel as they are, so the writer is a ``RowArray`` over the
     request bytes (at an odd byte offset: the payload follows the serialized head) that a row writer computes
     into; a converting target (bfloat16, float16) keeps copying converted blocks.  Either way the bytes are the
-    values' wire form (``to_bfloat16_bits`` / ``to_float16``, checked against torch above)."""
+    values' wire form, as torch converts them."""
     from mmgate.transport.placement import BufferTarget, new_bytes
     from mmgate.types import RowArray
 
     rows = np.random.default_rng(3).random((6, 10), dtype=np.float32) * 200
     values = rows.astype(np.uint8) if dtype == "uint8" else rows
-    wire = values if convert is None else convert(values)
+    # the wire form by torch's own conversion (bfloat16 as its uint16 bit patterns)
+    as_torch = {"bfloat16": (torch.bfloat16, torch.uint16), "float16": (torch.float16, torch.float16)}
+    wire = values if convert is None else torch.from_numpy(values).to(as_torch[dtype][0]).view(
+        as_torch[dtype][1]).numpy()
     data, view = new_bytes(wire.nbytes + 5)
     view[:5] = 9
     target = BufferTarget(view[5:], 10, wire.itemsize, *(() if convert is None else (convert,)), owner=data,
